@@ -1,0 +1,315 @@
+"""Frozen configuration dataclasses: YAML preset -> dataclass -> tyro flags.
+
+Field names follow `transformers.Olmo3Config` where one exists, so a `config.json` maps field to field.
+Defaults are the OLMo 3 7B stage-1 recipe (RECIPE.md); `configs/tiny.yaml` is the CPU default run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+class ConfigError(ValueError):
+    """A configuration that contradicts itself or its input; the message names the field and the fix."""
+
+
+def olmo_layer_types(num_layers: int) -> tuple[str, ...]:
+    """OLMo 3's pattern: layer i is global iff i % 4 == 3, sliding otherwise."""
+    return tuple(FULL if i % 4 == 3 else SLIDING for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """OLMo 3 architecture. Names as in `transformers.Olmo3Config`."""
+
+    vocab_size: int = 100352
+    """Embedding rows (the 100,278-token dolma2 tokenizer padded to a multiple of 128)."""
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    """SwiGLU hidden width."""
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    """Fewer than num_attention_heads gives grouped-query attention."""
+    head_dim: int = 128
+    sliding_window: int = 4096
+    """Keys a sliding layer sees, including the query itself."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer 'sliding_attention' or 'full_attention'; None means OLMo's rule (global iff i % 4 == 3)."""
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = 65536
+    initializer_range: float = 0.02
+    """Std of the truncated normal (cut at +-3 std) of every Linear and the embedding."""
+    eos_token_id: int = 100257
+    pad_token_id: int = 100277
+    param_dtype: str = "float32"
+    """Master weights."""
+    compute_dtype: str = "bfloat16"
+    """Matmuls and activations; norms, RoPE, softmax statistics and the loss stay float32."""
+    remat: str = "none"
+    """Per-block rematerialisation: none, full, dots (save matmul outputs), dots_no_batch."""
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    """`jax.nn.dot_product_attention` backend; auto picks cudnn on GPU, xla elsewhere."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"model.num_key_value_heads ({self.num_key_value_heads}).")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"model.layer_types has {len(self.layer_types)} entries but model.num_hidden_layers is "
+                    f"{self.num_hidden_layers}; give one type per layer or leave layer_types unset.")
+            bad = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if bad:
+                raise ConfigError(f"model.layer_types has unknown types {bad}; use '{SLIDING}' or '{FULL}'.")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
+        if self.remat not in REMAT_POLICIES:
+            raise ConfigError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ConfigError(f"model.eos_token_id {self.eos_token_id} is outside the vocabulary "
+                              f"(vocab_size {self.vocab_size}).")
+
+    @property
+    def resolved_layer_types(self) -> tuple[str, ...]:
+        return self.layer_types if self.layer_types is not None else olmo_layer_types(self.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Token files in OLMo's format and how they become global batches."""
+
+    paths: tuple[str, ...] = ()
+    """Training token files (.npy memmaps) or globs; empty means the embedded default corpus."""
+    heldout_paths: tuple[str, ...] = ()
+    """Held-out token files or globs; empty with empty `paths` means the default corpus's held-out split."""
+    seq_len: int = 8192
+    global_batch: int = 512
+    """Instances per optimizer step, fixed whatever the device count."""
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Dtype of the token files; auto: uint16 when vocab_size fits, else uint32."""
+    vocab_size: int | None = None
+    """Token ids must be below this; None means model.vocab_size."""
+    ngram_filter: bool = False
+    """Mask instances where a 1..13-token pattern repeats 32+ times back to back (OLMo's filter)."""
+    num_threads: int = 2
+    """Background threads reading and prefetching instances."""
+    prefetch: int = 4
+    """Batches read ahead of the training step."""
+    cache_dir: str = "~/.cache/olmo3eqx"
+    """Where the embedded default corpus is prepared once."""
+    allow_fingerprint_mismatch: bool = False
+    """Resume even when the token files differ from the ones the checkpoint was written with."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with float32 moments, warmup + one cosine (stage 1) or linear to zero (stage 2)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = ("embed",)
+    """Parameter path substrings excluded from weight decay (OLMo: the embedding only)."""
+    warmup_steps: int = 2000
+    schedule: Literal["cosine", "linear"] = "cosine"
+    """cosine: warmup then one cosine to final_lr_ratio x lr; linear: warmup then linear to final_lr_ratio x lr."""
+    final_lr_ratio: float = 0.1
+    clip_grad_norm: float = 1.0
+    z_loss: float = 1e-5
+    """Coefficient of logsumexp(logits)^2 added to the cross-entropy."""
+    spike_guard: bool = False
+    """Skip an update whose loss or grad norm exceeds the rolling mean by spike_sigma std devs."""
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes; -1 means all remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    max_per_device_batch: int = 4
+    """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 1000
+    """Save every this many steps (and at the end)."""
+    keep: int = 3
+    """Newest checkpoints kept."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 1000
+    """Held-out evaluation every this many steps (and at the end); 0 disables."""
+    batches: int = 16
+    """Held-out batches (of data.global_batch instances) per evaluation."""
+    memorisation_gap: float = 0.1
+    """Warn when train loss sits this far below held-out loss (averaged over the last evaluations)."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "olmo3eqx"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "olmo3eqx"
+    dir: str = "runs"
+    """Parent of run directories."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    steps: int = 1413814
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    dry_run: bool = False
+    """Print the resolved config, sizes, FLOPs, mesh and compiled memory, then exit."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+
+# --- YAML <-> dataclass ---------------------------------------------------------------------------
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Convert a YAML value to the annotated type (PyYAML reads 1e-3 as a string; lists become tuples)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}.")
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot use {value!r}.")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}.")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}.")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{where} must be an integer, got {value!r}.")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be an integer, got {value!r}.") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}.") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}.")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}.")
+
+
+def from_dict(cls: type, d: dict, where: str = "config") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {unknown}; known keys are {sorted(names)}.")
+    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where != "config" else k) for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Dataclass -> plain YAML-safe dict (tuples become lists)."""
+
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else plain(v)
+    return out
+
+
+def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist; pass --config with a path such as configs/tiny.yaml.")
+    with open(path) as f:
+        d = yaml.safe_load(f) or {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping at the top level.")
+    return from_dict(cls, d)
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
