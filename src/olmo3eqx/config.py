@@ -61,6 +61,8 @@ class ModelConfig:
     """Matmuls and activations; norms, RoPE, softmax statistics and the loss stay float32."""
     remat: str = "none"
     """Per-block rematerialisation: none, full, dots (save matmul outputs), dots_no_batch."""
+    scan_layers: bool = True
+    """Scan over the repeating period of layer_types (compile time flat in depth); False unrolls every layer."""
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
     """`jax.nn.dot_product_attention` backend; auto picks cudnn on GPU, xla elsewhere."""
 
@@ -131,22 +133,46 @@ class OptimConfig:
     lr: float = 3e-4
     """Peak learning rate."""
     b1: float = 0.9
+    """Adam decay rate of the first moment."""
     b2: float = 0.95
+    """Adam decay rate of the second moment."""
     eps: float = 1e-8
+    """Added to sqrt(second moment) in Adam's denominator."""
     weight_decay: float = 0.1
+    """Decoupled (AdamW) decay: each step multiplies decayed weights by 1 - lr * weight_decay."""
     no_decay: tuple[str, ...] = ("embed",)
     """Parameter path substrings excluded from weight decay (OLMo: the embedding only)."""
     warmup_steps: int = 2000
+    """Linear warmup: step s <= warmup_steps has lr * s / warmup_steps; 0 starts at the peak."""
     schedule: Literal["cosine", "linear"] = "cosine"
     """cosine: warmup then one cosine to final_lr_ratio x lr; linear: warmup then linear to final_lr_ratio x lr."""
     final_lr_ratio: float = 0.1
+    """LR of the last step as a fraction of the peak (stage 2: 0)."""
     clip_grad_norm: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
     z_loss: float = 1e-5
     """Coefficient of logsumexp(logits)^2 added to the cross-entropy."""
     spike_guard: bool = False
     """Skip an update whose loss or grad norm exceeds the rolling mean by spike_sigma std devs."""
     spike_sigma: float = 6.0
+    """Std devs above the rolling mean that make a step a spike."""
     spike_window: int = 128
+    """Steps in the spike guard's rolling window; it judges steps once max(20, window // 2) - 1 are recorded."""
+
+    def __post_init__(self):
+        for name in ("lr", "eps", "spike_sigma"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"optim.{name} must be positive, got {getattr(self, name)}.")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}.")
+        for name in ("weight_decay", "clip_grad_norm", "z_loss", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"optim.{name} must be non-negative, got {getattr(self, name)}.")
+        if not 0 <= self.final_lr_ratio <= 1:
+            raise ConfigError(f"optim.final_lr_ratio must be in [0, 1], got {self.final_lr_ratio}.")
+        if self.spike_window < 2:
+            raise ConfigError(f"optim.spike_window must be at least 2, got {self.spike_window}.")
 
 
 @dataclass(frozen=True)
@@ -183,11 +209,18 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
+    """Metric sinks: run_dir/metrics.jsonl always, plus TensorBoard, W&B and a progress bar."""
+
     every: int = 10
+    """Log training metrics every this many steps."""
     tensorboard: bool = True
+    """Write TensorBoard event files to run_dir/tb/."""
     wandb: bool = False
+    """Log to Weights & Biases (needs the `wandb` package; a warning and no W&B without it)."""
     wandb_project: str = "olmo3eqx"
+    """W&B project; the run is named after run.name."""
     progress: bool = True
+    """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,246 @@
+"""OLMo 3 as pure Equinox modules.
+
+Equinox convention: modules act on one example (`tokens: Int[Array, "seq"]`); `jax.vmap` adds the batch.
+Linear weights are stored [in, out]. Layers are stacked along a leading axis of every block leaf and run
+as a `lax.scan` over the repeating period of `layer_types` (OLMo 3: 3 sliding + 1 global), so compile
+time does not grow with depth; a pattern with no period shorter than the depth runs as a Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from olmo3eqx.config import SLIDING, ModelConfig
+
+DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def trunc_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:
+    """OLMo init: normal(0, std) truncated at +-3 std."""
+    return (jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(eqx.Module):
+    weight: Float[Array, "din dout"]
+
+    @staticmethod
+    def init(din: int, dout: int, cfg: ModelConfig, *, key: PRNGKeyArray) -> Linear:
+        return Linear(trunc_normal(key, (din, dout), cfg.initializer_range, DTYPE[cfg.param_dtype]))
+
+    def __call__(self, x: Float[Array, "*batch din"]) -> Float[Array, "*batch dout"]:
+        return x @ self.weight
+
+
+class RMSNorm(eqx.Module):
+    weight: Float[Array, " dim"]
+    eps: float = eqx.field(static=True)
+
+    @staticmethod
+    def init(dim: int, cfg: ModelConfig) -> RMSNorm:
+        return RMSNorm(jnp.ones((dim,), DTYPE[cfg.param_dtype]), cfg.rms_norm_eps)
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        # Statistics in float32 whatever the compute dtype; cast back after the weight (as OLMo/HF do).
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (self.weight.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rotate_half(x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope(x: Float[Array, "seq heads dim"], theta: float) -> Float[Array, "seq heads dim"]:
+    """Rotary embedding, NeoX rotate-half layout, sin/cos and the rotation in float32."""
+    seq, _, dim = x.shape
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    return (x32 * jnp.cos(emb) + rotate_half(x32) * jnp.sin(emb)).astype(x.dtype)
+
+
+def attention_backend(cfg: ModelConfig) -> str | None:
+    if cfg.attention_impl == "auto":
+        return "cudnn" if jax.default_backend() == "gpu" else None
+    return None if cfg.attention_impl == "xla" else cfg.attention_impl
+
+
+class Attention(eqx.Module):
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+
+    @staticmethod
+    def init(cfg: ModelConfig, *, key: PRNGKeyArray) -> Attention:
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        d, q_width, kv_width = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+            cfg.num_key_value_heads * cfg.head_dim
+        return Attention(
+            q_proj=Linear.init(d, q_width, cfg, key=kq),
+            k_proj=Linear.init(d, kv_width, cfg, key=kk),
+            v_proj=Linear.init(d, kv_width, cfg, key=kv),
+            o_proj=Linear.init(q_width, d, cfg, key=ko),
+            q_norm=RMSNorm.init(q_width, cfg),
+            k_norm=RMSNorm.init(kv_width, cfg),
+        )
+
+    def __call__(self, x: Float[Array, "seq hidden"], cfg: ModelConfig, sliding: bool) -> Float[Array, "seq hidden"]:
+        seq = x.shape[0]
+        # QK-norm over the full projections, before splitting heads and before RoPE.
+        q = self.q_norm(self.q_proj(x)).reshape(seq, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_norm(self.k_proj(x)).reshape(seq, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(seq, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+        # A causal window of W keys including the query itself is i-(W-1) <= j <= i.
+        window = (cfg.sliding_window - 1, 0) if sliding and cfg.sliding_window < seq else None
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=window, implementation=attention_backend(cfg))
+        return self.o_proj(out.reshape(seq, cfg.num_attention_heads * cfg.head_dim))
+
+
+class MLP(eqx.Module):
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    @staticmethod
+    def init(cfg: ModelConfig, *, key: PRNGKeyArray) -> MLP:
+        kg, ku, kd = jax.random.split(key, 3)
+        return MLP(
+            gate_proj=Linear.init(cfg.hidden_size, cfg.intermediate_size, cfg, key=kg),
+            up_proj=Linear.init(cfg.hidden_size, cfg.intermediate_size, cfg, key=ku),
+            down_proj=Linear.init(cfg.intermediate_size, cfg.hidden_size, cfg, key=kd),
+        )
+
+    def __call__(self, x: Float[Array, "seq hidden"]) -> Float[Array, "seq hidden"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(eqx.Module):
+    """OLMo's reordered-norm block: norms on the sublayer outputs, none on the inputs."""
+
+    attn: Attention
+    post_attention_norm: RMSNorm
+    mlp: MLP
+    post_feedforward_norm: RMSNorm
+
+    @staticmethod
+    def init(cfg: ModelConfig, *, key: PRNGKeyArray) -> Block:
+        ka, km = jax.random.split(key)
+        return Block(
+            attn=Attention.init(cfg, key=ka),
+            post_attention_norm=RMSNorm.init(cfg.hidden_size, cfg),
+            mlp=MLP.init(cfg, key=km),
+            post_feedforward_norm=RMSNorm.init(cfg.hidden_size, cfg),
+        )
+
+    def __call__(self, x: Float[Array, "seq hidden"], cfg: ModelConfig, sliding: bool) -> Float[Array, "seq hidden"]:
+        h = x + self.post_attention_norm(self.attn(x, cfg, sliding))
+        return h + self.post_feedforward_norm(self.mlp(h))
+
+
+def layer_period(layer_types: tuple[str, ...]) -> int:
+    """Shortest p dividing the depth with layer_types[i] == layer_types[i % p] (the depth if none)."""
+    n = len(layer_types)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def cast_floating(tree, dtype):
+    """Cast every floating array leaf of `tree` to `dtype` (inside jit: fused with the first use)."""
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if eqx.is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+class OLMo3(eqx.Module):
+    """The whole model. `blocks` leaves carry a leading layer axis of size num_hidden_layers."""
+
+    embed: Float[Array, "vocab hidden"]
+    blocks: Block
+    norm: RMSNorm
+    lm_head: Linear
+    cfg: ModelConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(cfg: ModelConfig, *, key: PRNGKeyArray) -> OLMo3:
+        ke, kb, kh = jax.random.split(key, 3)
+        block_keys = jax.random.split(kb, cfg.num_hidden_layers)
+        blocks = eqx.filter_vmap(lambda k: Block.init(cfg, key=k))(block_keys)
+        return OLMo3(
+            embed=trunc_normal(ke, (cfg.vocab_size, cfg.hidden_size), cfg.initializer_range, DTYPE[cfg.param_dtype]),
+            blocks=blocks,
+            norm=RMSNorm.init(cfg.hidden_size, cfg),
+            lm_head=Linear.init(cfg.hidden_size, cfg.vocab_size, cfg, key=kh),
+            cfg=cfg,
+        )
+
+    def hidden(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq hidden"]:
+        """Final-normed hidden states in the compute dtype (the loss unembeds them in chunks)."""
+        cfg = self.cfg
+        model = cast_floating(self, DTYPE[cfg.compute_dtype])
+        x = model.embed[tokens]
+        types = cfg.resolved_layer_types
+        period = layer_period(types) if cfg.scan_layers else cfg.num_hidden_layers
+        groups = cfg.num_hidden_layers // period
+        sliding = tuple(t == SLIDING for t in types[:period])
+
+        def block_fn(block: Block, x: Array, is_sliding: bool) -> Array:
+            return block(x, cfg, is_sliding)
+
+        block_fns: list[Callable] = []
+        for s in sliding:
+            f = lambda blk, h, s=s: block_fn(blk, h, s)  # noqa: E731
+            if cfg.remat != "none":
+                f = jax.checkpoint(f, policy=REMAT[cfg.remat])
+            block_fns.append(f)
+
+        def run_group(x: Array, group: Block) -> Array:
+            for j, f in enumerate(block_fns):
+                x = f(jax.tree.map(lambda a: a[j], group), x)
+            return x
+
+        stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)
+        if groups > 1:
+            x, _ = jax.lax.scan(lambda h, g: (run_group(h, g), None), x, stacked)
+        else:
+            x = run_group(x, jax.tree.map(lambda a: a[0], stacked))
+        return model.norm(x)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        """Logits in float32."""
+        h = self.hidden(tokens)
+        w = self.lm_head.weight.astype(h.dtype)
+        return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+
+
+def init_model(cfg: ModelConfig, key: PRNGKeyArray) -> OLMo3:
+    return OLMo3.init(cfg, key=key)
+
+
+def abstract_model(cfg: ModelConfig) -> OLMo3:
+    """Shapes and dtypes only (`jax.ShapeDtypeStruct` leaves): a 7B model is never materialised."""
+    return eqx.filter_eval_shape(init_model, cfg, jax.random.key(0))
+
+
+def num_params(model: OLMo3) -> int:
+    leaves = jax.tree.leaves(eqx.filter(model, lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)))
+    return sum(math.prod(x.shape) for x in leaves)
