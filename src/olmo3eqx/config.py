@@ -242,6 +242,11 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    init_from: str | None = None
+    """Start a new run from this checkpoint (a run's checkpoints/ or convert.py's output): weights, step and data
+    position reset. Ignored when the run directory already has checkpoints (then the run resumes)."""
+    init_optimizer: bool = False
+    """With init_from: also carry the AdamW moments (stage 2 starts from stage 1's moments)."""
     dry_run: bool = False
     """Print the resolved config, sizes, FLOPs, mesh and compiled memory, then exit."""
 

@@ -1,0 +1,216 @@
+"""Metric sinks: `metrics.jsonl`, TensorBoard, optional W&B, and a progress bar.
+
+Whether this process logs is the caller's decision (`enabled`, normally `jax.process_index() == 0`).
+`metrics.jsonl` holds one JSON object per line: `"step"` (int), `"time"` (unix seconds) and slash-named
+metrics (`train/loss`, `perf/mfu`, `eval/<set>/loss`). Values are plain ints and floats; a non-finite
+float (NaN, +-inf) is written as `null`, which keeps every line valid JSON and reads back as NaN in
+`read_metrics` and pandas. A resumed run appends; old lines stay (steps logged after the last checkpoint
+of the interrupted run then appear twice, the later line being the resumed run's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from olmo3eqx.config import LogConfig
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"loss": x}} -> {"train/loss": x}."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, name + "/"))
+        else:
+            out[name] = v
+    return out
+
+
+def to_python(value: Any) -> int | float:
+    """A Python int (integer or bool scalars) or float (floating scalars) from a number or 0-d array."""
+    if isinstance(value, (bool, int, float)):
+        return int(value) if isinstance(value, (bool, int)) else float(value)
+    arr = np.asarray(value)
+    if arr.ndim != 0:
+        raise ValueError(f"Metrics must be scalars, got an array of shape {arr.shape}; reduce it before logging.")
+    if np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+        return int(arr)
+    return float(arr)
+
+
+def fetch(metrics: Mapping[str, Any]) -> dict[str, int | float]:
+    """Bring a (possibly nested) dict of device scalars to the host at once: one `jax.device_get`,
+    keys joined with '/'. Blocks until the step that produced them has finished."""
+    flat = _flatten(metrics)
+    host = jax.device_get(flat)
+    return {k: to_python(v) for k, v in host.items()}
+
+
+class PendingMetrics:
+    """Step `step`'s metrics, still on device. Create it right after dispatching the step (this starts
+    the device-to-host copies), dispatch the next step, then call `.result()`: the host never waits for
+    a step before the following one is queued."""
+
+    def __init__(self, step: int, metrics: Mapping[str, Any]):
+        self.step = step
+        self._metrics = metrics
+        for leaf in jax.tree.leaves(metrics):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+
+    def result(self) -> dict[str, int | float]:
+        return fetch(self._metrics)
+
+
+def _json_value(v: int | float) -> int | float | None:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a run directory or the file), `null` read back as NaN. A torn
+    last line (the process died mid-write) is ignored; a malformed line elsewhere is an error. Lines
+    come in file order: after a resume, steps past the last checkpoint can appear twice."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"No metrics file at {path}; pass a run directory or its {METRICS_FILE}.")
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path} line {i + 1} is not valid JSON: {line[:80]!r}.") from None
+        records.append({k: math.nan if v is None else v for k, v in rec.items()})
+    return records
+
+
+class MetricsLogger:
+    """Writes each `log(step, metrics)` to every sink enabled in `cfg`; a no-op when not `enabled`.
+
+    Sinks: `run_dir/metrics.jsonl` (always), TensorBoard events in `run_dir/tb/` (cfg.tensorboard),
+    W&B (cfg.wandb, when `wandb` is importable; a warning otherwise), a tqdm bar on stderr
+    (cfg.progress) showing step, loss, tokens/s, MFU and ETA. `config_dict` goes to W&B's config and
+    to TensorBoard as text. Use as a context manager or call `close()`.
+    """
+
+    def __init__(self, run_dir: str | Path, cfg: LogConfig, total_steps: int, enabled: bool = True,
+                 config_dict: Mapping[str, Any] | None = None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._progress = enabled and cfg.progress
+        self._bar = None
+        self._tb = None
+        self._wandb = None
+        self._file = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / METRICS_FILE
+        if path.is_file():  # a run killed mid-write leaves half a line: drop it before appending
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(path, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        self._file = open(path, "a")
+        if cfg.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / TB_DIR))
+            if config_dict is not None:
+                self._tb.add_text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError:
+                warnings.warn("log.wandb is true but the `wandb` package is not installed; W&B logging is off "
+                              "(pip install wandb, or pass --log.wandb false).", stacklevel=2)
+            else:
+                self._wandb = wandb.init(project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir),
+                                         config=dict(config_dict or {}))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (flat or nested dict of scalars, host or device) as step `step`."""
+        if not self.enabled:
+            return
+        values = {k: to_python(v) for k, v in _flatten(metrics).items()}
+        record = {"step": int(step), "time": time.time(), **{k: _json_value(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, int(step))
+        if self._wandb is not None:
+            self._wandb.log(values, step=int(step))
+        if self._progress:
+            self._update_bar(int(step), values)
+
+    def _update_bar(self, step: int, values: dict[str, int | float]) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            # Start at the first logged step so a resumed run's rate and ETA count only this session.
+            self._bar = tqdm(total=self.total_steps, initial=step, file=sys.stderr, unit="step",
+                             dynamic_ncols=True)
+        elif step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+        shown = {}
+        if "train/loss" in values:
+            shown["loss"] = f"{values['train/loss']:.4f}"
+        if "perf/tokens_per_s" in values:
+            shown["tok/s"] = f"{values['perf/tokens_per_s']:,.0f}"
+        if "perf/mfu" in values:
+            shown["mfu"] = f"{100 * values['perf/mfu']:.1f}%"
+        if shown:
+            self._bar.set_postfix(shown, refresh=False)
+        self._bar.refresh()
+
+    def print(self, message: str) -> None:
+        """Print a line to stderr without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Flush and close every sink; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

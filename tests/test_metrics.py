@@ -1,0 +1,120 @@
+"""metrics.py: metrics.jsonl lines, resume appends, TensorBoard scalars read back, NaN handling."""
+
+import json
+import math
+import struct
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from olmo3eqx.config import LogConfig
+from olmo3eqx.metrics import MetricsLogger, PendingMetrics, fetch, read_metrics
+
+QUIET = LogConfig(tensorboard=False, progress=False)
+
+
+def tb_scalars(tb_dir):
+    """{tag: [(step, value)]} from every TFRecord event file under tb_dir (length, crc, data, crc)."""
+    out = {}
+    files = sorted(tb_dir.glob("events.out.tfevents.*"))
+    assert files, f"no event file in {tb_dir}"
+    for path in files:
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_jsonl_lines_have_step_time_and_plain_values(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=10) as log:
+        log.log(1, {"train/loss": jnp.float32(2.5), "train/tokens": np.int64(4096), "perf/mfu": 0.4})
+        log.log(2, {"train": {"loss": jnp.array(2.25, jnp.bfloat16)}})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert first["step"] == 1 and isinstance(first["step"], int)
+    assert isinstance(first["time"], float) and abs(first["time"] - time.time()) < 60
+    assert first["train/loss"] == 2.5 and first["train/tokens"] == 4096 and first["perf/mfu"] == 0.4
+    assert isinstance(first["train/tokens"], int)
+    assert second == {"step": 2, "time": second["time"], "train/loss": 2.25}
+
+
+def test_resume_appends_and_keeps_old_lines(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=10) as log:
+        log.log(1, {"train/loss": 3.0})
+        log.log(2, {"train/loss": 2.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "train/lo')  # killed mid-write
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # the torn line is ignored
+    with MetricsLogger(tmp_path, QUIET, total_steps=10) as log:
+        log.log(3, {"train/loss": 1.0})
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r["train/loss"]) for r in records] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1}\n{"step"\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(bad)
+
+
+def test_nan_and_inf_are_written_as_null(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=10) as log:
+        log.log(5, {"train/loss": jnp.float32(jnp.nan), "train/grad_norm": float("inf"), "train/lr": 1e-4})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    rec = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert rec["train/loss"] is None and rec["train/grad_norm"] is None and rec["train/lr"] == 1e-4
+    back = read_metrics(tmp_path)[0]
+    assert math.isnan(back["train/loss"]) and back["train/lr"] == 1e-4
+
+
+def test_tensorboard_holds_the_scalars(tmp_path):
+    cfg = LogConfig(tensorboard=True, progress=False)
+    with MetricsLogger(tmp_path, cfg, total_steps=10, config_dict={"optim": {"lr": 3e-4}}) as log:
+        log.log(1, {"train/loss": 3.5})
+        log.log(2, {"train/loss": 3.25, "eval/heldout/loss": 3.75})
+    scalars = tb_scalars(tmp_path / "tb")
+    assert scalars["train/loss"] == [(1, 3.5), (2, 3.25)]
+    assert scalars["eval/heldout/loss"] == [(2, 3.75)]
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    with MetricsLogger(tmp_path / "run", LogConfig(), total_steps=10, enabled=False) as log:
+        log.log(1, {"train/loss": 1.0})
+        log.print("hello")
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_missing_warns(tmp_path):
+    try:
+        import wandb  # noqa: F401
+        pytest.skip("wandb is installed")
+    except ImportError:
+        pass
+    with pytest.warns(UserWarning, match="wandb"):
+        MetricsLogger(tmp_path, LogConfig(tensorboard=False, progress=False, wandb=True), total_steps=10).close()
+
+
+def test_progress_bar_shows_loss_throughput_and_mfu(tmp_path, capsys):
+    cfg = LogConfig(tensorboard=False, progress=True)
+    with MetricsLogger(tmp_path, cfg, total_steps=100) as log:
+        log.log(10, {"train/loss": 2.0, "perf/tokens_per_s": 12345.0, "perf/mfu": 0.42})
+        log.log(20, {"train/loss": 1.5, "perf/tokens_per_s": 12345.0, "perf/mfu": 0.42})
+    err = capsys.readouterr().err
+    assert "20/100" in err and "loss=1.5000" in err and "tok/s=12,345" in err and "mfu=42.0%" in err
+
+
+def test_fetch_and_pending_metrics():
+    metrics = {"train": {"loss": jnp.float32(1.5), "tokens": jnp.int32(7)}}
+    assert fetch(metrics) == {"train/loss": 1.5, "train/tokens": 7}
+    pending = PendingMetrics(3, metrics)
+    assert pending.step == 3 and pending.result() == {"train/loss": 1.5, "train/tokens": 7}
+    with pytest.raises(ValueError, match="scalars"):
+        fetch({"x": jnp.ones(2)})
