@@ -1,0 +1,180 @@
+"""Loss (CE + z-loss in float32), the train step with in-step gradient accumulation, and the eval step.
+
+Labels are the inputs shifted left by one; the last position of every instance has no label. The loss is
+the mean over the labelled tokens of unmasked instances of the *global* batch: each micro-batch adds
+sum(loss) / (labelled tokens in the global batch), so the result is the same whatever the sharding or
+accumulation (up to floating-point reassociation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from olmo3eqx import optim
+from olmo3eqx.config import OptimConfig, TrainConfig
+from olmo3eqx.model import OLMo3, cast_floating, init_model
+from olmo3eqx.sharding import BATCH_AXES, BatchPlan, batch_sharding, tree_shardings
+
+LOGITS_BUDGET = 1 << 26  # float32 logits materialised at once by the chunked loss (256 MiB)
+
+
+class TrainState(eqx.Module):
+    model: OLMo3
+    opt_state: optax.OptState
+    step: Int[Array, ""]
+    spike: optim.SpikeGuardState
+    key: PRNGKeyArray
+
+
+def loss_chunk(batch: int, seq: int, vocab: int) -> int:
+    """Largest divisor of seq whose [batch, chunk, vocab] float32 logits fit LOGITS_BUDGET."""
+    limit = max(1, LOGITS_BUDGET // max(1, batch * vocab))
+    return max(c for c in range(1, seq + 1) if seq % c == 0 and c <= limit)
+
+
+def token_losses(
+    hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
+) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
+    """Per-token cross-entropy and z-loss in float32, unembedding `chunk` positions at a time; the chunk function
+    is rematerialised so the backward pass never holds more than one chunk of logits."""
+    b, s, _ = hidden.shape
+    chunk = loss_chunk(b, s, lm_head.shape[1])
+
+    @jax.checkpoint
+    def one(h, y):
+        logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return lse - picked, z_loss * jnp.square(lse)
+
+    if chunk == s:
+        return one(hidden, labels)
+    hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
+    ys = labels.reshape(b, s // chunk, chunk).swapaxes(0, 1)
+    ce, z = jax.lax.map(lambda args: one(*args), (hs, ys))
+    return ce.swapaxes(0, 1).reshape(b, s), z.swapaxes(0, 1).reshape(b, s)
+
+
+def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[Array, "b s"]:
+    """1 where a position has a label (all but the last) in an unmasked instance."""
+    has_label = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
+    return mask[:, None] * has_label[None, :].astype(jnp.float32)
+
+
+def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], mask: Float[Array, " b"], z_loss: float):
+    """(sum of CE, sum of z-loss) over the labelled tokens of a micro-batch."""
+    hidden = jax.vmap(model.hidden)(tokens)
+    labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    ce, z = token_losses(hidden, model.lm_head.weight, labels, z_loss)
+    w = label_weights(tokens, mask)
+    return jnp.sum(ce * w), jnp.sum(z * w)
+
+
+def split_micro(x: Array, accum: int) -> Array:
+    """[global, ...] -> [accum, global/accum, ...] such that every micro-batch holds an equal share of every
+    device's rows (row i*accum + a goes to micro-batch a), so no micro-batch needs rows from another device."""
+    return x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+
+
+def init_state(cfg: TrainConfig, optimizer: optax.GradientTransformation, key: PRNGKeyArray) -> TrainState:
+    model_key, state_key = jax.random.split(key)  # legacy uint32 keys: plain arrays orbax can save
+    model = init_model(cfg.model, model_key)
+    # Moments follow the float32 master copy whatever param_dtype is (optim keeps them float32 too).
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), optim.SpikeGuardState.init(cfg.optim.spike_window),
+                      state_key)
+
+
+def abstract_state(cfg: TrainConfig, optimizer: optax.GradientTransformation) -> TrainState:
+    return eqx.filter_eval_shape(init_state, cfg, optimizer, jax.random.PRNGKey(cfg.run.seed))
+
+
+def state_shardings(abstract: TrainState, mesh: Mesh):
+    return tree_shardings(abstract, mesh)
+
+
+def sharded_init(cfg: TrainConfig, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """Initialise directly into the mesh: every leaf is created already sharded (never whole on one device)."""
+    shardings = state_shardings(abstract_state(cfg, optimizer), mesh)
+    init = jax.jit(lambda k: init_state(cfg, optimizer, k), out_shardings=shardings)
+    return init(jax.random.PRNGKey(cfg.run.seed))
+
+
+def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, mesh: Mesh, plan: BatchPlan,
+                    shardings) -> Callable:
+    """jit(train_step(state, tokens, mask) -> (state, metrics)), state donated, shardings explicit."""
+    ocfg: OptimConfig = cfg.optim
+    schedule = optim.lr_schedule(ocfg, cfg.steps)
+    micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    param_shardings = shardings.model
+
+    def train_step(state: TrainState, tokens: Int[Array, "b s"], mask: Float[Array, " b"]):
+        params = cast_floating(state.model, jnp.float32)  # differentiate w.r.t. float32: fp32 grads
+        total = jnp.maximum(jnp.sum(label_weights(tokens, mask)), 1.0)
+        micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
+        micro_mask = split_micro(mask, plan.accum_steps)
+
+        def micro_loss(p, t, m):
+            ce, z = loss_sums(p, t, m, ocfg.z_loss)
+            return (ce + z) / total, (ce, z)
+
+        grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)
+
+        def accumulate(carry, xs):
+            grads, ce_sum, z_sum = carry
+            (_, (ce, z)), g = grad_fn(params, *xs)
+            g = eqx.filter(g, eqx.is_array)
+            grads = jax.tree.map(jnp.add, grads, g)
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            return (grads, ce_sum + ce, z_sum + z), None
+
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
+        (grads, ce_sum, z_sum), _ = jax.lax.scan(
+            accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask))
+        ce_mean, z_mean = ce_sum / total, z_sum / total
+        grad_norm = optim.global_norm(grads)
+        step = state.step + 1
+
+        model_arrays = eqx.filter(state.model, eqx.is_array)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, model_arrays, step=step)
+        new_arrays = optax.apply_updates(model_arrays, updates)
+        new_model = eqx.combine(new_arrays, eqx.filter(state.model, eqx.is_array, inverse=True))
+
+        loss = ce_mean + z_mean
+        if ocfg.spike_guard:
+            skip, spike = optim.spike_check(state.spike, loss, grad_norm, sigma=ocfg.spike_sigma,
+                                            window=ocfg.spike_window)
+            new_model = optim.apply_unless_skipped(skip, new_model, state.model)
+            new_opt_state = optim.apply_unless_skipped(skip, new_opt_state, state.opt_state)
+        else:
+            skip, spike = jnp.zeros((), bool), state.spike
+        metrics = {
+            "train/loss": ce_mean,
+            "train/z_loss": z_mean,
+            "train/grad_norm": grad_norm,
+            "train/lr": schedule(step),
+            "train/skipped": skip.astype(jnp.float32),
+            "train/masked_instances": jnp.sum(mask == 0).astype(jnp.float32),
+        }
+        return TrainState(new_model, new_opt_state, step, spike, state.key), metrics
+
+    bsh = batch_sharding(mesh, 2)
+    return jax.jit(train_step, in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),
+                   out_shardings=(shardings, None), donate_argnums=0)
+
+
+def make_eval_step(cfg: TrainConfig, mesh: Mesh, model_shardings) -> Callable:
+    """jit(eval_step(model, tokens, mask) -> (sum of CE, labelled tokens)) for token-weighted held-out loss."""
+
+    def eval_step(model: OLMo3, tokens: Int[Array, "b s"], mask: Float[Array, " b"]):
+        ce, _ = loss_sums(model, tokens, mask, 0.0)
+        return ce, jnp.sum(label_weights(tokens, mask))
+
+    return jax.jit(eval_step, in_shardings=(model_shardings, batch_sharding(mesh, 2), batch_sharding(mesh, 1)))

@@ -1,0 +1,316 @@
+"""The training loop: config -> mesh -> state (fresh, resumed or initialised from a checkpoint) -> steps.
+
+Step numbering (DESIGN.md): step s (1-based) applies update s using global batch s-1 and logs its loss as
+`step: s`; `checkpoints/N/` holds the state after N updates and a data state that consumed N batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: interrupted by SIGTERM/SIGINT after writing a checkpoint; relaunch to resume
+EXIT_NONFINITE = 3
+
+USAGE = """Train OLMo 3 with olmo3eqx. YAML gives the defaults, flags override any field.
+
+Entry flags (before the others):
+  --config PATH           YAML preset (default: configs/tiny.yaml)
+  --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
+"""
+
+
+def parse_args(argv: list[str] | None = None):
+    """(TrainConfig, entry options): `--config` YAML defaults, then tyro flags over every field."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=str(DEFAULT_CONFIG))
+    pre.add_argument("--simulated-devices", type=int, default=0)
+    opts, rest = pre.parse_known_args(argv)
+    if opts.simulated_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={opts.simulated_devices}")
+    import tyro
+
+    from olmo3eqx.config import ConfigError, TrainConfig, load_yaml
+
+    try:
+        base = load_yaml(opts.config)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        cfg = tyro.cli(TrainConfig, default=base, args=rest, description=USAGE + f"\nDefaults from {opts.config}.")
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    return cfg, opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = parse_args(argv)
+    from olmo3eqx import distributed
+
+    distributed.initialize()
+    if cfg.dry_run:
+        dry_run(cfg)
+        return 0
+    return train(cfg)
+
+
+def dry_run(cfg) -> None:
+    """Plan without building anything on devices: sizes, FLOPs, mesh, batch split, and the compiled step's
+    memory per device from an ahead-of-time lowering over abstract arrays."""
+    import jax
+    import jax.numpy as jnp
+    import yaml
+
+    from olmo3eqx import flops, optim
+    from olmo3eqx.checkpoint import abstract_with_shardings
+    from olmo3eqx.config import to_dict
+    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
+    from olmo3eqx.step import abstract_state, make_train_step, state_shardings
+
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    print("---")
+    m, seq = cfg.model, cfg.data.seq_len
+    mesh = make_mesh(cfg.mesh)
+    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
+    per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
+    device_step_tokens = plan.per_device_batch * plan.accum_steps * seq
+    print(f"parameters:            {flops.param_count(m):,}")
+    print(f"train FLOPs/token:     {per_token:.4e} (sliding windows counted as windowed); "
+          f"{per_token_all_global:.4e} (MaxText convention, all layers global)")
+    print(f"TFLOP per device-step: {per_token * device_step_tokens / 1e12:,.1f} windowed; "
+          f"{per_token_all_global * device_step_tokens / 1e12:,.1f} all-global "
+          f"({plan.per_device_batch * plan.accum_steps} x {seq} tokens per device)")
+    print(f"devices:               {jax.device_count()} x {jax.devices()[0].device_kind} "
+          f"({jax.process_count()} process(es))")
+    print(f"mesh:                  {dict(mesh.shape)}")
+    print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
+          f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
+    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
+    abstract = abstract_state(cfg, optimizer)
+    shardings = state_shardings(abstract, mesh)
+    step_fn = make_train_step(cfg, optimizer, mesh, plan, shardings)
+    tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, seq), jnp.int32, sharding=batch_sharding(mesh, 2))
+    mask = jax.ShapeDtypeStruct((cfg.data.global_batch,), jnp.float32, sharding=batch_sharding(mesh, 1))
+    t = time.perf_counter()
+    compiled = step_fn.lower(abstract_with_shardings(abstract, shardings), tokens, mask).compile()
+    compile_s = time.perf_counter() - t
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        state_bytes = mem.argument_size_in_bytes - mem.alias_size_in_bytes + mem.output_size_in_bytes
+        gib = 1024**3
+        print(f"compiled step memory per device: {(state_bytes + mem.temp_size_in_bytes) / gib:.2f} GiB "
+              f"(arguments {mem.argument_size_in_bytes / gib:.2f}, outputs {mem.output_size_in_bytes / gib:.2f}, "
+              f"aliased {mem.alias_size_in_bytes / gib:.2f}, temporaries {mem.temp_size_in_bytes / gib:.2f}); "
+              f"compiled in {compile_s:.1f} s")
+    else:
+        print(f"compiled in {compile_s:.1f} s (this backend reports no memory analysis)")
+
+
+class Preemption:
+    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with EXIT_PREEMPTED."""
+
+    def __init__(self):
+        self.requested = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(cfg) -> int:
+    import jax
+    import numpy as np
+
+    from olmo3eqx import checkpoint as ckpt_lib
+    from olmo3eqx import data as data_lib
+    from olmo3eqx import flops, metrics, optim
+    from olmo3eqx.config import dump_yaml, to_dict
+    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
+    from olmo3eqx.step import abstract_state, make_eval_step, make_train_step, sharded_init, state_shardings
+
+    primary = jax.process_index() == 0
+    run_dir = cfg.run_dir
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, run_dir / "config.yaml")
+    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
+    say = log.print if primary else (lambda m: None)
+
+    mesh = make_mesh(cfg.mesh)
+    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
+    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
+    abstract = abstract_state(cfg, optimizer)
+    shardings = state_shardings(abstract, mesh)
+    say(f"mesh {dict(mesh.shape)}; per-device batch {plan.per_device_batch} x {plan.accum_steps} accumulation "
+        f"steps = global batch {plan.global_batch}")
+
+    checkpointer = ckpt_lib.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                         keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
+    resumed = checkpointer.restore_latest(abstract, shardings, cfg.model, warn=say)
+    if resumed is not None:
+        start, state, data_state = resumed
+        say(f"resumed from {checkpointer.directory / str(start)}")
+    else:
+        start, data_state = 0, None
+        state = sharded_init(cfg, optimizer, mesh)
+        if cfg.init_from:
+            state = ckpt_lib.init_from(cfg.init_from, state, abstract, shardings, with_optimizer=cfg.init_optimizer)
+            say(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
+    if start >= cfg.steps:
+        say(f"checkpoint step {start} already reaches steps={cfg.steps}: nothing to do.")
+        checkpointer.close()
+        log.close()
+        return 0
+
+    vocab = cfg.data.vocab_size or cfg.model.vocab_size
+    data_it = data_lib.build_train_iterator(
+        cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.run.seed,
+        shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=vocab, state=data_state)
+    if data_it.batches_consumed != start:
+        raise SystemExit(f"error: the data state of checkpoint {start} has consumed {data_it.batches_consumed} "
+                         f"batches instead of {start}; the checkpoint is inconsistent.")
+
+    train_step = make_train_step(cfg, optimizer, mesh, plan, shardings)
+    eval_step = make_eval_step(cfg, mesh, shardings.model)
+    tok_sharding, mask_sharding = batch_sharding(mesh, 2), batch_sharding(mesh, 1)
+    global_tokens_shape = (cfg.data.global_batch, cfg.data.seq_len)
+
+    def to_device(batch):
+        tokens = jax.make_array_from_process_local_data(tok_sharding, batch["tokens"], global_tokens_shape)
+        mask = jax.make_array_from_process_local_data(mask_sharding, batch["mask"], global_tokens_shape[:1])
+        return tokens, mask
+
+    flops_per_token = flops.train_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = flops.peak_flops(jax.devices()[0])
+    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+    config_dict = to_dict(cfg)
+
+    def save(step: int) -> None:
+        checkpointer.save(step, state, data_it.get_state(), config_dict)
+
+    def evaluate(step: int) -> dict:
+        total, count = 0.0, 0.0
+        it = data_lib.build_heldout_iterator(cfg.data, seq_len=cfg.data.seq_len, batch_size=plan.micro_batch,
+                                             shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                             vocab_size=vocab)
+        shape = (plan.micro_batch, cfg.data.seq_len)
+        for i, batch in enumerate(it):
+            if i >= cfg.eval.batches * plan.accum_steps:
+                break
+            tokens = jax.make_array_from_process_local_data(tok_sharding, batch["tokens"], shape)
+            mask = jax.make_array_from_process_local_data(mask_sharding, batch["mask"], shape[:1])
+            ce, n = eval_step(state.model, tokens, mask)
+            total, count = total + float(ce), count + float(n)
+        loss = total / max(count, 1.0)
+        return {"eval/heldout/loss": loss, "eval/heldout/ppl": math.exp(min(loss, 50.0))}
+
+    watcher = MemorisationWatch(cfg.eval.memorisation_gap)
+    timer = {"time": None, "step": start}
+
+    def report(p: metrics.PendingMetrics) -> int:
+        """Fetch step p's metrics; log them every log.every steps; EXIT_NONFINITE on a NaN/Inf loss."""
+        values = p.result()
+        if not (math.isfinite(values["train/loss"]) and math.isfinite(values["train/grad_norm"])):
+            kept = checkpointer.steps()
+            say(f"error: non-finite loss or gradient norm at step {p.step} (loss {values['train/loss']}, grad norm "
+                f"{values['train/grad_norm']}); stopping. The last good checkpoint is "
+                f"{checkpointer.directory / str(kept[-1]) if kept else 'none'}: lower optim.lr, enable "
+                f"optim.spike_guard, or inspect the data around batch {p.step - 1}.")
+            return EXIT_NONFINITE
+        watcher.add_train(values["train/loss"])
+        if p.step % cfg.log.every == 0 or p.step == cfg.steps or p.step == start + 1:
+            now = time.perf_counter()
+            values["train/tokens"] = p.step * tokens_per_step
+            if timer["time"] is not None and p.step > timer["step"]:
+                tps = (p.step - timer["step"]) * tokens_per_step / (now - timer["time"])
+                values["perf/tokens_per_s"] = tps
+                values["perf/tflops_per_device"] = tps * flops_per_token / jax.device_count() / 1e12
+                m = flops.mfu(tps, flops_per_token, jax.device_count(), peak)
+                if m is not None:
+                    values["perf/mfu"] = m
+            timer["time"], timer["step"] = now, p.step
+            log.log(p.step, values)
+        return 0
+
+    pending = None
+    status = 0
+    step = start
+    with Preemption() as preempt:
+        try:
+            for step in range(start + 1, cfg.steps + 1):
+                tokens, mask = to_device(next(data_it))
+                state, step_metrics = train_step(state, tokens, mask)
+                current = metrics.PendingMetrics(step, step_metrics)
+                if pending is not None:  # step t's metrics are read after step t+1 is dispatched
+                    status = report(pending)
+                    if status:
+                        break
+                pending = current
+                boundary = step % cfg.checkpoint.every == 0 or step == cfg.steps or preempt.requested
+                eval_due = cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps)
+                if boundary or eval_due:
+                    status = report(pending)  # never checkpoint or evaluate a non-finite state
+                    pending = None
+                    if status:
+                        break
+                if eval_due:
+                    ev = evaluate(step)
+                    log.log(step, ev)
+                    warning = watcher.update(ev["eval/heldout/loss"])
+                    if warning:
+                        say(warning)
+                if boundary:
+                    save(step)
+                if preempt.requested:
+                    say(f"{preempt.requested} received: checkpoint {step} written; exiting to be resumed.")
+                    status = EXIT_PREEMPTED
+                    break
+            if pending is not None and not status:
+                status = report(pending)
+        finally:
+            checkpointer.close()
+            log.close()
+    return status
+
+
+class MemorisationWatch:
+    """The reproduction's signature: training loss well below held-out loss for a sustained window."""
+
+    def __init__(self, gap: float, window: int = 3):
+        self.gap, self.window = gap, window
+        self.train_losses: list[float] = []
+        self.gaps: list[float] = []
+
+    def add_train(self, loss: float) -> None:
+        self.train_losses = (self.train_losses + [loss])[-20:]
+
+    def update(self, heldout: float) -> str | None:
+        if not self.train_losses:
+            return None
+        train = sum(self.train_losses) / len(self.train_losses)
+        self.gaps = (self.gaps + [heldout - train])[-self.window:]
+        if len(self.gaps) == self.window and min(self.gaps) > self.gap:
+            return (f"warning: train loss has been more than {self.gap} below held-out loss for {self.window} "
+                    f"evaluations (now {train:.4f} vs {heldout:.4f}): memorisation, or repeated data?")
+        return None
