@@ -37,24 +37,33 @@ class ModelConfig:
     vocab_size: int = 100352
     """Embedding rows (the 100,278-token dolma2 tokenizer padded to a multiple of 128)."""
     hidden_size: int = 4096
+    """Model width (d_model)."""
     intermediate_size: int = 11008
     """SwiGLU hidden width."""
     num_hidden_layers: int = 32
+    """Transformer blocks."""
     num_attention_heads: int = 32
+    """Query heads."""
     num_key_value_heads: int = 32
     """Fewer than num_attention_heads gives grouped-query attention."""
     head_dim: int = 128
+    """Width of one head (16 x 256 keeps the 7B's params and FLOPs of 32 x 128)."""
     sliding_window: int = 4096
     """Keys a sliding layer sees, including the query itself."""
     layer_types: tuple[str, ...] | None = None
     """Per layer 'sliding_attention' or 'full_attention'; None means OLMo's rule (global iff i % 4 == 3)."""
     rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (OLMo 3: 1e-6; transformers' default 1e-5 is not OLMo's)."""
     rope_theta: float = 500000.0
+    """RoPE base frequency."""
     max_position_embeddings: int = 65536
+    """Written to config.json for transformers; RoPE here has no length limit."""
     initializer_range: float = 0.02
     """Std of the truncated normal (cut at +-3 std) of every Linear and the embedding."""
     eos_token_id: int = 100257
+    """End-of-document token (dolma2: 100257)."""
     pad_token_id: int = 100277
+    """Padding token (dolma2: 100277)."""
     param_dtype: str = "float32"
     """Master weights."""
     compute_dtype: str = "bfloat16"
@@ -180,8 +189,11 @@ class MeshConfig:
     """Device mesh axes; -1 means all remaining devices."""
 
     data: int = 1
+    """Pure data-parallel replicas."""
     fsdp: int = -1
+    """Data parallel with parameters and optimizer state sharded (FSDP/ZeRO-3)."""
     tensor: int = 1
+    """Tensor parallel: projections split by column/row."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
 
@@ -195,6 +207,7 @@ class CheckpointConfig:
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
     async_save: bool = True
+    """Write checkpoints in the background (the step loop only waits for the device-to-host copy)."""
 
 
 @dataclass(frozen=True)
@@ -226,15 +239,18 @@ class LogConfig:
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "olmo3eqx"
+    """Run directory name: runs/<name>/ holds config, metrics, checkpoints; rerunning resumes it."""
     dir: str = "runs"
     """Parent of run directories."""
     seed: int = 0
+    """Seeds the initialisation and the data order."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     steps: int = 1413814
+    """Optimizer steps in the run (the schedule ends here)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -1,0 +1,297 @@
+"""Global order, exactly-once sharding, resume, epochs, held-out pass and data errors."""
+
+import json
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+
+from olmo3eqx.config import DataConfig
+from olmo3eqx.data import DataError, build_heldout_iterator, build_train_iterator
+from olmo3eqx.data.pipeline import epoch_permutation, global_order, shard_rows
+from olmo3eqx.data.source import TokenSource
+
+SEQ = 16
+GLOBAL_BATCH = 96  # divisible by 1, 2, 3, 4 and 32
+VOCAB = 1000
+FILE_INSTANCES = (100, 92, 96)  # 288 instances: 3 global batches per epoch
+NUM_INSTANCES = sum(FILE_INSTANCES)
+BATCHES_PER_EPOCH = NUM_INSTANCES // GLOBAL_BATCH
+
+
+def write_tokens(path, tokens, dtype=np.uint16):
+    np.asarray(tokens, dtype).tofile(path)
+    return str(path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Three uint16 token files; the second ends with a 5-token remainder that must be dropped."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, n in enumerate(FILE_INSTANCES):
+        extra = 5 if i == 1 else 0
+        paths.append(write_tokens(tmp_path / f"part-{i}.npy", rng.integers(0, VOCAB, n * SEQ + extra)))
+    return paths
+
+
+def config(paths, **kw):
+    return DataConfig(paths=tuple(paths), token_dtype="uint16", seq_len=SEQ, global_batch=GLOBAL_BATCH, **kw)
+
+
+def train_iters(cfg, shard_count, state=None, seed=0):
+    return [build_train_iterator(cfg, seq_len=SEQ, global_batch=GLOBAL_BATCH, seed=seed, shard_index=s,
+                                 shard_count=shard_count, vocab_size=VOCAB, state=state)
+            for s in range(shard_count)]
+
+
+def global_rows(iters, n):
+    """n global rows: each process's batch for the step, concatenated in process order."""
+    return [np.concatenate([next(it)["index"] for it in iters]) for _ in range(n)]
+
+
+def assert_exactly_once(indices, num_instances):
+    ids = np.sort(np.concatenate(indices))
+    assert ids.size == num_instances and np.array_equal(ids, np.arange(num_instances)), (
+        f"{np.unique(ids).size} distinct of {num_instances} instances in {ids.size} reads")
+
+
+def test_epoch_permutation_is_a_permutation():
+    for n in (1, 2, 5, 64, 65, 1000, 4097):
+        perm = epoch_permutation(np.arange(n), num_instances=n, seed=3, epoch=1)
+        assert np.array_equal(np.sort(perm), np.arange(n))
+    perm = epoch_permutation(np.arange(1000), num_instances=1000, seed=3, epoch=1)
+    assert not np.array_equal(perm, np.arange(1000))
+    assert not np.array_equal(perm, epoch_permutation(np.arange(1000), num_instances=1000, seed=4, epoch=1))
+
+
+@pytest.mark.parametrize("shard_count", [1, 2, 3, 4, 32])
+def test_every_instance_exactly_once_per_epoch(files, shard_count):
+    cfg = config(files)
+    reference = global_rows(train_iters(cfg, 1), BATCHES_PER_EPOCH)
+    iters = train_iters(cfg, shard_count)
+    assert iters[0].num_instances == NUM_INSTANCES and iters[0].batches_per_epoch == BATCHES_PER_EPOCH
+    batches = [[next(it) for _ in range(BATCHES_PER_EPOCH)] for it in iters]
+    for shard in batches:
+        for b in shard:
+            assert b["tokens"].shape == (GLOBAL_BATCH // shard_count, SEQ) and b["tokens"].dtype == np.int32
+            assert b["index"].dtype == np.int64 and b["mask"].dtype == np.float32
+            assert np.all(b["mask"] == 1)
+    assert_exactly_once([b["index"] for shard in batches for b in shard], NUM_INSTANCES)
+    for r in range(BATCHES_PER_EPOCH):
+        assert np.array_equal(np.concatenate([shard[r]["index"] for shard in batches]), reference[r])
+
+
+def test_tokens_are_the_indexed_instances(files):
+    source = TokenSource(files, seq_len=SEQ, token_dtype="uint16")
+    flat = np.concatenate([np.fromfile(f, np.uint16)[: n * SEQ] for f, n in zip(files, FILE_INSTANCES)])
+    batch = next(train_iters(config(files), 2)[1])
+    for ids_row, tokens in zip(batch["index"], batch["tokens"]):
+        assert np.array_equal(tokens, flat[ids_row * SEQ:(ids_row + 1) * SEQ])
+    assert np.array_equal(source.read(batch["index"]), batch["tokens"])
+
+
+@pytest.mark.parametrize("shard_count", [2, 4, 32])
+def test_double_sharding_is_caught(shard_count):
+    """The MaxText bug: shard inside (our slice) and again outside (a strided shard of the batches). The
+    same exactly-once check must fail, so the test above would catch it."""
+    indices = []
+    for s in range(shard_count):
+        rows = shard_rows(global_order(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH),
+                          shard_index=s, shard_count=shard_count)
+        twice = rows[s::shard_count]
+        indices += [twice[r] for r in range(BATCHES_PER_EPOCH)]
+    with pytest.raises(AssertionError, match="distinct"):
+        assert_exactly_once(indices, NUM_INSTANCES)
+    # ... while sharding once passes it.
+    once = [shard_rows(global_order(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH), shard_index=s,
+                       shard_count=shard_count)[r] for s in range(shard_count) for r in range(BATCHES_PER_EPOCH)]
+    assert_exactly_once(once, NUM_INSTANCES)
+
+
+def test_epochs_differ_and_are_each_exactly_once(files):
+    rows = global_rows(train_iters(config(files), 4), 3 * BATCHES_PER_EPOCH)
+    epochs = [np.concatenate(rows[e * BATCHES_PER_EPOCH:(e + 1) * BATCHES_PER_EPOCH]) for e in range(3)]
+    for e in epochs:
+        assert_exactly_once([e], NUM_INSTANCES)
+    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
+
+
+def test_seed_changes_the_order(files):
+    a = global_rows(train_iters(config(files), 1, seed=0), 1)[0]
+    b = global_rows(train_iters(config(files), 1, seed=1), 1)[0]
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("k", [1, BATCHES_PER_EPOCH - 1, BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 1])
+def test_resume_continues_exactly(files, k):
+    cfg = config(files, num_threads=2, prefetch=4)
+    uninterrupted = global_rows(train_iters(cfg, 2), k + 4)
+    iters = train_iters(cfg, 2)
+    global_rows(iters, k)
+    states = [json.loads(json.dumps(it.get_state())) for it in iters]
+    assert states[0] == states[1]  # the state is global: every process holds the same one
+    assert states[0]["batches_consumed"] == k and states[0]["epoch"] == k // BATCHES_PER_EPOCH
+    assert states[0]["tokens_consumed"] == k * GLOBAL_BATCH * SEQ
+    resumed = train_iters(cfg, 2, state=states[0])
+    for expected, got in zip(uninterrupted[k:], global_rows(resumed, 4)):
+        assert np.array_equal(expected, got)
+    assert resumed[0].batches_consumed == k + 4
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (4, 1), (1, 32)])
+def test_resume_with_another_shard_count(files, old, new):
+    """Elastic resume: the new processes' slices concatenate to the uninterrupted global rows."""
+    cfg = config(files)
+    k = BATCHES_PER_EPOCH + 1
+    uninterrupted = global_rows(train_iters(cfg, 1), k + 3)
+    iters = train_iters(cfg, old)
+    global_rows(iters, k)
+    resumed = train_iters(cfg, new, state=iters[0].get_state())
+    for expected, got in zip(uninterrupted[k:], global_rows(resumed, 3)):
+        assert np.array_equal(expected, got)
+
+
+def test_ngram_filter_masks_and_counts(tmp_path):
+    rng = np.random.default_rng(1)
+    seq = 512
+    tokens = rng.integers(0, VOCAB, 8 * seq)
+    tokens[3 * seq + 10:3 * seq + 10 + 32 * 13] = np.tile(np.arange(13), 32)  # instance 3: rejected
+    tokens[5 * seq + 10:5 * seq + 10 + 31 * 13] = np.tile(np.arange(13), 31)  # instance 5: passes
+    path = write_tokens(tmp_path / "t.npy", tokens)
+    for flag, masked in ((True, [3]), (False, [])):
+        cfg = DataConfig(paths=(path,), token_dtype="uint16", ngram_filter=flag)
+        it = build_train_iterator(cfg, seq_len=seq, global_batch=4, seed=0, shard_index=0, shard_count=1)
+        batches = [next(it) for _ in range(2)]
+        index = np.concatenate([b["index"] for b in batches])
+        mask = np.concatenate([b["mask"] for b in batches])
+        assert sorted(index[mask == 0].tolist()) == masked
+        assert it.masked_instances == len(masked)
+        assert np.array_equal(np.sort(index), np.arange(8))  # rejected instances keep their place
+
+
+def test_heldout_pass(files):
+    cfg = DataConfig(paths=(files[0],), heldout_paths=tuple(files), token_dtype="uint16")
+    for shard_count in (1, 4):
+        for _ in range(2):  # each call is a fresh pass
+            iters = [build_heldout_iterator(cfg, seq_len=SEQ, batch_size=40, shard_index=s,
+                                            shard_count=shard_count, vocab_size=VOCAB)
+                     for s in range(shard_count)]
+            assert len(iters[0]) == -(-NUM_INSTANCES // 40)
+            rows = [list(it) for it in iters]
+            assert len({len(r) for r in rows}) == 1
+            index = np.concatenate([np.concatenate([r[b]["index"] for r in rows]) for b in range(len(rows[0]))])
+            mask = np.concatenate([np.concatenate([r[b]["mask"] for r in rows]) for b in range(len(rows[0]))])
+            assert all(b["tokens"].shape == (40 // shard_count, SEQ) for r in rows for b in r)
+            assert np.array_equal(index[:NUM_INSTANCES], np.arange(NUM_INSTANCES))  # file order
+            assert np.all(index[NUM_INSTANCES:] == -1) and np.array_equal(mask, (index >= 0).astype(np.float32))
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def build(cfg, **kw):
+    args = dict(seq_len=SEQ, global_batch=GLOBAL_BATCH, seed=0, shard_index=0, shard_count=1, vocab_size=VOCAB)
+    return build_train_iterator(cfg, **(args | kw))
+
+
+def test_missing_file(files, tmp_path):
+    with pytest.raises(DataError, match="missing.npy does not exist"):
+        build(config([*files, str(tmp_path / "missing.npy")]))
+    with pytest.raises(DataError, match="No file matches"):
+        build(config([str(tmp_path / "nothing-*.npy")]))
+
+
+def test_size_not_a_multiple_of_dtype(tmp_path):
+    path = tmp_path / "odd.npy"
+    path.write_bytes(b"\0" * (GLOBAL_BATCH * SEQ * 2 + 1))
+    with pytest.raises(DataError, match="odd.npy has .* not a multiple of 2"):
+        build(config([str(path)]))
+
+
+def test_token_id_beyond_vocab(tmp_path):
+    tokens = np.zeros(GLOBAL_BATCH * SEQ, np.uint16)
+    tokens[7] = VOCAB
+    with pytest.raises(DataError, match=f"big.npy holds token id {VOCAB} >= vocab_size {VOCAB}"):
+        build(config([write_tokens(tmp_path / "big.npy", tokens)]))
+
+
+def test_token_id_beyond_vocab_outside_the_sample(tmp_path, monkeypatch):
+    """Ids the open-time sample misses are still caught when the instance is read."""
+    import olmo3eqx.data.source as source
+
+    monkeypatch.setattr(source, "SAMPLE_TOKENS", 1)
+    monkeypatch.setattr(source, "SAMPLE_CHUNKS", 1)
+    tokens = np.zeros(GLOBAL_BATCH * SEQ, np.uint16)
+    tokens[-1] = VOCAB + 5
+    tokens[-1 - SEQ] = 0
+    it = build(config([write_tokens(tmp_path / "late.npy", tokens)]), vocab_size=VOCAB)
+    with pytest.raises(DataError, match="late.npy holds token id"):
+        next(it)
+
+
+def test_batch_not_divisible_by_shards(files):
+    with pytest.raises(DataError, match="global_batch 96 is not divisible by the 5 data shards"):
+        build(config(files), shard_count=5)
+
+
+def test_too_little_data(files):
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        build(config(files), global_batch=NUM_INSTANCES + 1)
+
+
+def test_empty_files(tmp_path, files):
+    short = write_tokens(tmp_path / "short.npy", np.zeros(SEQ - 1))
+    with pytest.warns(UserWarning, match="short.npy has fewer than seq_len"):
+        it = build(config([*files, short]))
+    assert it.num_instances == NUM_INSTANCES
+    with pytest.raises(DataError, match=f"No instance of seq_len {SEQ} in"), pytest.warns(UserWarning):
+        build(config([short]))
+
+
+def test_fingerprint_mismatch(tmp_path, files):
+    it = build(config(files))
+    next(it)
+    state = it.get_state()
+    # The same names with one file grown, in a new place (rewriting a memory-mapped file in place is a crash).
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    grown = [shutil.copy(f, changed) for f in files]
+    with open(grown[2], "ab") as f:
+        f.write(np.zeros(SEQ, np.uint16).tobytes())
+    with pytest.raises(DataError, match="differ from the ones the checkpoint was trained on"):
+        build(config(grown), state=state)
+    with pytest.warns(UserWarning, match="differ"):
+        it = build(config(grown, allow_fingerprint_mismatch=True), state=state)
+    assert it.batches_consumed == 1
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    assert build(config([shutil.copy(f, moved) for f in files]), state=state).batches_consumed == 1  # same data
+
+
+def test_state_of_another_run(files):
+    it = build(config(files))
+    state = it.get_state()
+    with pytest.raises(DataError, match="seq_len=16 but this run has seq_len=8"):
+        build(config(files), seq_len=8, state=state)
+    with pytest.raises(DataError, match="global_batch=96 but this run has global_batch=48"):
+        build(config(files), global_batch=48, state=state)
+
+
+def test_dtype_from_prepare_metadata(tmp_path):
+    """token_dtype auto reads metadata.json beside the files; without it, the vocabulary decides."""
+    tokens = np.arange(GLOBAL_BATCH * SEQ) % 70000
+    path = write_tokens(tmp_path / "t.npy", tokens, np.uint32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        it = build_train_iterator(DataConfig(paths=(path,)), seq_len=SEQ, global_batch=GLOBAL_BATCH, seed=0,
+                                  shard_index=0, shard_count=1, vocab_size=100352)
+    assert np.array_equal(np.sort(next(it)["tokens"].ravel()), np.sort(tokens))
+    (tmp_path / "metadata.json").write_text(json.dumps({"dtype": "uint16"}))
+    it = build_train_iterator(DataConfig(paths=(path,)), seq_len=SEQ, global_batch=GLOBAL_BATCH, seed=0,
+                              shard_index=0, shard_count=1)
+    assert it.num_instances == 2 * GLOBAL_BATCH  # read as uint16, as the metadata says
+    with pytest.raises(DataError, match="data.token_dtype is uint32 but .*metadata.json says"):
+        build_train_iterator(DataConfig(paths=(path,), token_dtype="uint32"), seq_len=SEQ,
+                             global_batch=GLOBAL_BATCH, seed=0, shard_index=0, shard_count=1)
