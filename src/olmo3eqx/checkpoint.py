@@ -10,6 +10,7 @@ Training checkpoints add `opt_state`, `train` (step, RNG, ...) and `data` (itera
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -165,6 +166,7 @@ class Checkpointer:
                 if config is None:
                     raise read_error
                 state, data_state = self.restore(step, abstract_state, shardings)
+                self._set_aside([s for s in steps if s > step])
                 return step, state, data_state
             except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
                 errors.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -175,6 +177,17 @@ class Checkpointer:
                 f"None of the checkpoints in {self.directory} could be restored ({'; '.join(errors)}); refusing to "
                 f"start from scratch over them. Fix or move the directory, or use a new run.name.")
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable newer steps to `<step>.unreadable-<unix time>`: kept for inspection, out of the way of
+        the steps the resumed run will write again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            stamp = int(time.time())
+            for step in steps:
+                (self.directory / str(step)).rename(self.directory / f"{step}.unreadable-{stamp}")
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: interrupted by SIGTERM/SIGINT after writing a checkpoint; relaunch to resume
 EXIT_NONFINITE = 3
+EXIT_USAGE = 2
 
 USAGE = """Train OLMo 3 with olmo3eqx. YAML gives the defaults, flags override any field.
 
@@ -58,10 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     from olmo3eqx import distributed
 
     distributed.initialize()
-    if cfg.dry_run:
-        dry_run(cfg)
-        return 0
-    return train(cfg)
+    from olmo3eqx.checkpoint import CheckpointLoadError
+    from olmo3eqx.config import ConfigError
+    from olmo3eqx.data import DataError
+
+    try:
+        if cfg.dry_run:
+            dry_run(cfg)
+            return 0
+        return train(cfg)
+    except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError) as e:
+        # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def dry_run(cfg) -> None:

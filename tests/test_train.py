@@ -1,0 +1,288 @@
+"""End to end: `python train.py` runs, logs, checkpoints, and resumes bit-identically after SIGKILL/SIGTERM,
+on another device count, over a torn checkpoint; refuses what it must refuse; stage-2 initialisation."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from olmo3eqx.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+CONFIG = """
+run: {name: e2e, seed: 0}
+steps: 12
+model: {vocab_size: 384, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 4, num_attention_heads: 4,
+        num_key_value_heads: 2, head_dim: 16, sliding_window: 16, eos_token_id: 256, pad_token_id: 257,
+        compute_dtype: float32}
+data: {seq_len: 64, global_batch: 8, cache_dir: "CACHE"}
+optim: {lr: 3.0e-3, warmup_steps: 2}
+mesh: {max_per_device_batch: 8}
+checkpoint: {every: 4, keep: 3}
+eval: {every: 4, batches: 1}
+log: {every: 1, progress: false}
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e")
+    cfg = base / "e2e.yaml"
+    cfg.write_text(CONFIG.replace("CACHE", str(base / "cache")))  # the default corpus, prepared for this module
+    return base, cfg
+
+
+def command(cfg: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), "--config", str(cfg), "--run.dir", str(run_dir), *extra]
+
+
+def env(devices: int = 4) -> dict:
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    e["JAX_PLATFORMS"] = "cpu"
+    return e
+
+
+def run(cfg, run_dir, *extra, devices=4, check=True):
+    p = subprocess.run(command(cfg, run_dir, *extra), env=env(devices), capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py exited {p.returncode}:\n{p.stderr[-4000:]}")
+    return p
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by step, the last line of each step winning (a resumed run re-logs steps after its checkpoint)."""
+    out = {}
+    for rec in read_metrics(run_dir / "e2e"):
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
+def wait_for(predicate, proc, timeout=300):
+    t = time.time()
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"train.py exited early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        if time.time() - t > timeout:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.05)
+
+
+def logged_step(run_dir: Path) -> int:
+    path = run_dir / "e2e" / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def committed(run_dir: Path, step: int) -> bool:
+    return (run_dir / "e2e" / "checkpoints" / str(step) / "commit_success.txt").is_file()
+
+
+def final_params(run_dir: Path):
+    from olmo3eqx.checkpoint import load_model
+
+    model, _ = load_model(run_dir / "e2e" / "checkpoints" / str(STEPS))
+    return [np.asarray(x) for x in jax.tree.leaves(model)]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    base, cfg = setup
+    run_dir = base / "uninterrupted"
+    run(cfg, run_dir)
+    return run_dir
+
+
+def assert_same_run(run_dir, reference_dir, exact=True):
+    got, want = losses(run_dir), losses(reference_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        if exact:
+            assert got[s] == want[s], f"step {s}: {got[s]!r} != {want[s]!r}"
+        else:
+            assert got[s] == pytest.approx(want[s], rel=2e-5), f"step {s}"
+
+
+def test_run_directory_metrics_and_checkpoints(reference):
+    run_dir = reference / "e2e"
+    assert (run_dir / "config.yaml").is_file()
+    assert any((run_dir / "tb").iterdir())
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8, 12]
+    records = read_metrics(run_dir)
+    assert all(isinstance(r["step"], int) and r["time"] > 1e9 for r in records)
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert train[-1]["train/tokens"] == STEPS * 8 * 64
+    assert all(k in train[-1] for k in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu"))
+    evals = {r["step"]: r["eval/heldout/loss"] for r in records if "eval/heldout/loss" in r}
+    assert sorted(evals) == [4, 8, 12]
+    assert evals[12] < evals[4] < np.log(384)
+    assert train[-1]["train/loss"] < train[0]["train/loss"] - 0.5
+
+
+def test_sigkill_after_a_checkpoint_resumes_bit_identically(setup, reference):
+    base, cfg = setup
+    run_dir = base / "killed"
+    proc = subprocess.Popen(command(cfg, run_dir), env=env(), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_step(run_dir) >= 6 and committed(run_dir, 4), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = logged_step(run_dir)
+    assert killed_at < STEPS
+    run(cfg, run_dir)
+    assert_same_run(run_dir, reference)
+    for a, b in zip(final_params(run_dir), final_params(reference)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_bit_identically(setup, reference):
+    base, cfg = setup
+    run_dir = base / "preempted"
+    proc = subprocess.Popen(command(cfg, run_dir), env=env(), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_step(run_dir) >= 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    saved = max(int(p.name) for p in (run_dir / "e2e" / "checkpoints").iterdir() if p.name.isdigit())
+    assert 5 <= saved < STEPS and committed(run_dir, saved)
+    assert "SIGTERM" in err
+    run(cfg, run_dir)
+    assert_same_run(run_dir, reference)
+
+
+def test_resume_on_another_device_count(setup, reference):
+    base, cfg = setup
+    run_dir = base / "resized"
+    proc = subprocess.Popen(command(cfg, run_dir), env=env(4), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_step(run_dir) >= 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 75
+    p = run(cfg, run_dir, devices=2)
+    assert "'fsdp': 2" in p.stderr
+    assert_same_run(run_dir, reference, exact=False)
+
+
+def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
+    base, cfg = setup
+    run_dir = base / "torn"
+    shutil.copytree(reference, run_dir)
+    ckpt = run_dir / "e2e" / "checkpoints"
+    for f in (ckpt / "12" / "model").rglob("*"):
+        if f.is_file() and f.name != "_METADATA":
+            f.write_bytes(b"")  # torn array data
+    # Drop the metrics lines after step 8 so the replayed steps are the only ones logged for 9..12.
+    metrics = run_dir / "e2e" / "metrics.jsonl"
+    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 8))
+    p = run(cfg, run_dir)
+    assert "could not be restored" in p.stderr and "falling back" in p.stderr
+    assert_same_run(run_dir, reference)
+
+
+def test_refusals_unreadable_checkpoints_config_mismatch_and_done(setup, reference):
+    base, cfg = setup
+    done = run(cfg, reference)
+    assert done.returncode == 0 and "nothing to do" in done.stderr
+
+    mismatch = run(cfg, reference, "--model.intermediate-size", "96", check=False)
+    assert mismatch.returncode != 0
+    assert "intermediate_size" in mismatch.stderr and "Traceback" not in mismatch.stderr
+
+    broken = base / "broken"
+    shutil.copytree(reference, broken)
+    for step_dir in (broken / "e2e" / "checkpoints").iterdir():
+        if step_dir.name.isdigit():
+            shutil.rmtree(step_dir / "model")
+    lines = (broken / "e2e" / "metrics.jsonl").read_text()
+    p = run(cfg, broken, check=False)
+    assert p.returncode != 0 and "refusing to start from scratch" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert (broken / "e2e" / "metrics.jsonl").read_text() == lines  # nothing trained over them
+
+
+def test_checkpoint_n_resumes_on_global_batch_n(setup, reference):
+    """The reproduction's off-by-one: checkpoint N must continue with global batch N (0-based)."""
+    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.data import build_train_iterator
+
+    _, cfg_path = setup
+    cfg = load_yaml(cfg_path)
+    ck = Checkpointer(reference / "e2e" / "checkpoints", keep=3)
+    data_state = ck.manager.restore(8, args=__import__("orbax.checkpoint").checkpoint.args.Composite(
+        data=__import__("orbax.checkpoint").checkpoint.args.JsonRestore()))["data"]
+    ck.close()
+    kw = dict(seq_len=64, global_batch=8, seed=0, shard_index=0, shard_count=1)
+    resumed = build_train_iterator(cfg.data, state=data_state, **kw)
+    fresh = build_train_iterator(cfg.data, **kw)
+    batches = [next(fresh)["index"] for _ in range(9)]
+    assert data_state["batches_consumed"] == 8
+    np.testing.assert_array_equal(next(resumed)["index"], batches[8])
+
+
+def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, reference):
+    base, cfg = setup
+    run_dir = base / "stage2"
+    run(cfg, run_dir, "--init-from", str(reference / "e2e" / "checkpoints"), "--init-optimizer", "--steps", "4",
+        "--optim.schedule", "linear", "--optim.warmup-steps", "0", "--optim.final-lr-ratio", "0")
+    stage2 = read_metrics(run_dir / "e2e")
+    stage1 = read_metrics(reference / "e2e")
+    first2 = next(r for r in stage2 if r.get("step") == 1 and "train/loss" in r)
+    first1 = next(r for r in stage1 if r.get("step") == 1 and "train/loss" in r)
+    # Step counter reset (step 1, LR of a fresh linear anneal) and weights carried (far below a fresh init's loss).
+    assert first2["train/lr"] == pytest.approx(3e-3 * (1 - 1 / 4))
+    assert first2["train/loss"] < first1["train/loss"] - 0.5
+
+    from olmo3eqx.checkpoint import Checkpointer
+    import orbax.checkpoint as ocp
+
+    ck = Checkpointer(run_dir / "e2e" / "checkpoints", keep=3)
+    data = ck.manager.restore(4, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    ck.close()
+    assert data["batches_consumed"] == 4  # data position reset, not continued from stage 1's 12
+
+    # The moments themselves: init_from with the optimizer carries stage 1's AdamW state leaf for leaf.
+    from olmo3eqx import checkpoint as ckpt_lib, optim
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.sharding import make_mesh
+    from olmo3eqx.step import abstract_state, sharded_init, state_shardings
+
+    tcfg = load_yaml(cfg)
+    mesh = make_mesh(tcfg.mesh)
+    opt = optim.make_optimizer(tcfg.optim, tcfg.steps)
+    abstract = abstract_state(tcfg, opt)
+    shardings = state_shardings(abstract, mesh)
+    fresh = sharded_init(tcfg, opt, mesh)
+    src = reference / "e2e" / "checkpoints"
+    carried = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=True)
+    saved = Checkpointer(src, keep=3)
+    _, want = saved.restore_latest(abstract, shardings, tcfg.model)[:2]
+    saved.close()
+    assert int(carried.step) == 0
+    for a, b in zip(jax.tree.leaves(carried.opt_state), jax.tree.leaves(want.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(carried.model), jax.tree.leaves(want.model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    weights_only = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=False)
+    assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(weights_only.opt_state[1].mu))
+
+
+def test_nonfinite_loss_stops_with_a_clear_message(setup):
+    base, cfg = setup
+    p = run(cfg, base / "nan", "--optim.lr", "1e6", "--optim.clip-grad-norm", "0", "--optim.warmup-steps", "0",
+            check=False)
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "non-finite" in p.stderr and "Traceback" not in p.stderr
