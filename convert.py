@@ -1,0 +1,8 @@
+"""Checkpoint conversion: `python convert.py {hf-to-orbax,orbax-to-hf,parity,demo} --help`."""
+
+import sys
+
+from olmo3eqx.convert import main
+
+if __name__ == "__main__":
+    sys.exit(main())

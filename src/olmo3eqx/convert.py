@@ -1,0 +1,186 @@
+"""`python convert.py {hf-to-orbax, orbax-to-hf, parity, demo}`: checkpoint conversion with a logit-parity proof.
+
+Parity is measured against `transformers`' own Olmo3 forward on random token batches from a fixed seed:
+KL(HF || ours) per token (mean and max), top-1 agreement and max |logit diff|. Bad input stops with one
+sentence on stderr and exit code 2; a parity check that fails its threshold exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from olmo3eqx.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+EXIT_PARITY_FAILED = 1
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+class ParityFailed(Exception):
+    """The converted model's logits are too far from `transformers`'."""
+
+
+def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, seq_len), dtype=np.int64)
+
+
+def format_parity(stats: dict, dtype: str, batch: int, seq_len: int) -> str:
+    return (f"parity {dtype}, {batch} x {seq_len} tokens:\n"
+            f"  KL(HF || ours) per token: mean {stats['kl_mean']:.3e}  max {stats['kl_max']:.3e}\n"
+            f"  top-1 agreement: {100 * stats['top1']:.2f}%\n"
+            f"  max |logit diff|: {stats['max_abs_diff']:.3e}  (max |logit| {stats['max_abs_logit']:.3f})")
+
+
+def _refuse_existing(path: Path, what: str) -> None:
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{what} {path} already exists and is not empty; choose a new path or delete it.")
+
+
+def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
+                skip_parity: bool = False, seq_len: int = 128, batch: int = 2, seed: int = 0) -> None:
+    """Convert an HF Olmo3 checkpoint directory to an orbax checkpoint (step 0), after a float32 parity check.
+
+    Args:
+        hf_dir: HF checkpoint directory (config.json + safetensors).
+        out: Orbax checkpoint directory to create.
+        dtype: Stored parameter dtype (the parity check always runs in float32, before the cast).
+        max_kl: Refuse to write if the float32 mean KL(HF || ours) per token exceeds this.
+        force: Write even if the parity check fails.
+        skip_parity: Do not run the parity check (no torch/transformers needed).
+        seq_len: Tokens per parity sequence.
+        batch: Parity sequences.
+        seed: Seed of the random parity tokens.
+    """
+    import jax.numpy as jnp
+
+    from olmo3eqx import checkpoint, hf
+
+    _refuse_existing(out, "Output checkpoint")
+    model, cfg = hf.load_hf(hf_dir, jnp.float32)
+    if not skip_parity:
+        stats = hf.logit_parity(hf_dir, model, random_tokens(cfg.vocab_size, batch, seq_len, seed), jnp.float32)
+        print(format_parity(stats, "float32", batch, seq_len))
+        if not stats["kl_mean"] <= max_kl:
+            msg = (f"Float32 mean KL {stats['kl_mean']:.3e} exceeds --max-kl {max_kl:g}; the conversion is wrong "
+                   f"or the checkpoint is not a standard Olmo3.")
+            if not force:
+                raise ParityFailed(msg + " Nothing written (pass --force to write anyway).")
+            print(f"warning: {msg} Writing anyway (--force).", file=sys.stderr)
+    if dtype != "float32":
+        model = hf.with_dtype(model, dtype)
+        cfg = model.cfg
+    checkpoint.save_model(out, model, cfg, step=0)
+    print(f"wrote {out} (step 0, {dtype})")
+
+
+def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
+    """Convert an orbax checkpoint (newest step, or a step directory) to an HF Olmo3 checkpoint directory.
+
+    Args:
+        ckpt: Orbax checkpoint directory (manager root, run directory or one step directory).
+        out: HF directory to create (config.json, safetensors shards, index).
+        dtype: Stored dtype; default the checkpoint's param_dtype.
+        max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
+    """
+    from olmo3eqx import checkpoint, hf
+
+    _refuse_existing(out, "Output directory")
+    model, cfg = checkpoint.load_model(ckpt)
+    files = hf.save_hf(model, cfg, out, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
+    print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
+          f"{dtype or cfg.param_dtype})")
+
+
+def parity(hf_dir: Path, ckpt: Path, seq_len: int = 128, batch: int = 2, dtype: Dtype = "float32", seed: int = 0,
+           max_kl: float | None = None) -> None:
+    """Print KL(HF || ours) per token (mean, max), top-1 agreement and max |logit diff| of a checkpoint.
+
+    Args:
+        hf_dir: HF checkpoint directory: the reference, run with `transformers`' own Olmo3 forward.
+        ckpt: Orbax checkpoint directory to check.
+        seq_len: Tokens per sequence.
+        batch: Sequences (random tokens from `seed`).
+        dtype: Both sides run in this dtype.
+        seed: Seed of the random tokens.
+        max_kl: If given, exit 1 when the mean KL exceeds it.
+    """
+    from olmo3eqx import checkpoint, hf
+
+    hf_cfg = hf.read_hf_config(hf_dir)
+    model, cfg = checkpoint.load_model(ckpt)
+    diff = hf.config_mismatches(hf_cfg, cfg)
+    if diff:
+        raise hf.ConversionError(f"The HF config and the checkpoint config disagree on {'; '.join(diff)} "
+                                 f"(HF vs checkpoint); they are not the same model.")
+    stats = hf.logit_parity(hf_dir, model, random_tokens(cfg.vocab_size, batch, seq_len, seed), dtype)
+    print(format_parity(stats, dtype, batch, seq_len))
+    if max_kl is not None and not stats["kl_mean"] <= max_kl:
+        raise ParityFailed(f"Mean KL {stats['kl_mean']:.3e} exceeds --max-kl {max_kl:g}.")
+
+
+def demo(out: Path, seed: int = 0) -> None:
+    """Write a tiny random `transformers` Olmo3ForCausalLM to OUT (for trying the other commands).
+
+    Args:
+        out: Directory to create.
+        seed: torch seed of the random weights.
+    """
+    _refuse_existing(out, "Output directory")
+    save_tiny_hf_model(out, seed=seed)
+    print(f"wrote a tiny random Olmo3ForCausalLM to {out}; now try:\n"
+          f"  python convert.py hf-to-orbax --hf-dir {out} --out {out}-orbax\n"
+          f"  python convert.py parity --hf-dir {out} --ckpt {out}-orbax\n"
+          f"  python convert.py orbax-to-hf --ckpt {out}-orbax --out {out}-hf")
+
+
+def save_tiny_hf_model(out: Path, seed: int = 0, init_std: float = 0.5, **config) -> None:
+    """A small random Olmo3ForCausalLM via `transformers`, saved with save_pretrained.
+
+    Embeddings are N(0, 1), Linear weights N(0, init_std^2 / fan_in) (the LM head 4x that, so the next-token
+    distributions are peaked and top-1 agreement means something), norm weights 1 + N(0, 0.25) (not all ones,
+    so swapping two norms changes the logits). `config` overrides Olmo3Config fields.
+    """
+    import torch
+    import transformers
+
+    fields = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=16, rms_norm_eps=1e-6, eos_token_id=0,
+                  pad_token_id=1, max_position_embeddings=4096)
+    fields.update(config)
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**fields))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.5 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                scale = 4.0 if name == "lm_head.weight" else 1.0
+                p.copy_(torch.randn_like(p) * scale * init_std / p.shape[1] ** 0.5)
+    model.save_pretrained(str(out))
+
+
+COMMANDS = {"hf-to-orbax": hf_to_orbax, "orbax-to-hf": orbax_to_hf, "parity": parity, "demo": demo}
+
+
+def main(args: list[str] | None = None) -> int:
+    import tyro
+
+    from olmo3eqx.hf import ConversionError
+
+    try:
+        tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, description=__doc__.splitlines()[0])
+    except (ConversionError, ConfigError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ParityFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PARITY_FAILED
+    return 0
