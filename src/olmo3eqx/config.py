@@ -72,8 +72,10 @@ class ModelConfig:
     """Per-block rematerialisation: none, full, dots (save matmul outputs), dots_no_batch."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth); False unrolls every layer."""
-    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
-    """`jax.nn.dot_product_attention` backend; auto picks cudnn on GPU, xla elsewhere."""
+    attention_impl: Literal["auto", "xla", "cudnn", "blocked"] = "auto"
+    """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
+    (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band);
+    auto picks cudnn on GPU, blocked elsewhere."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -212,12 +214,37 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """Held-out LM loss on named token sets and downstream multiple-choice tasks (olmo3eqx.evals), in the loop
+    and from `python -m olmo3eqx.eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/<task>/acc,
+    eval/<task>/acc_per_char, eval/<task>/bpb."""
+
     every: int = 1000
-    """Held-out evaluation every this many steps (and at the end); 0 disables."""
+    """Evaluate every this many steps (and at the end); 0 disables."""
     batches: int = 16
-    """Held-out batches (of data.global_batch instances) per evaluation."""
+    """Held-out instances per set and evaluation, in units of data.global_batch instances; 0 means the whole set."""
+    heldout: tuple[str, ...] = ()
+    """Named held-out sets: 'name=glob' (e.g. c4_en=data/heldout/c4_en/*.npy; a repeated name adds files) or a
+    directory in OLMo's layout, one set per subdirectory (v3_small/c4_en/val/*.npy -> c4_en). Empty: the single
+    set 'heldout' from data.heldout_paths or the default corpus's held-out split."""
+    heldout_instances: Literal["packed", "document"] = "packed"
+    """packed: seq_len consecutive tokens, documents running together (as in training); document: OLMo's padded
+    layout for its perplexity sets, each document its own instance (split every seq_len tokens, padding unscored)."""
+    tasks: tuple[str, ...] = ()
+    """Multiple-choice task files (JSONL of context, continuations, gold, id; see olmo3eqx.evals), as 'path'
+    (named after the file) or 'name=path'. Empty: no tasks in the loop."""
+    tokenizer: str = "bytes"
+    """Tokenizer of the task texts: 'bytes' (the built-in byte tokenizer of the default corpus) or a
+    tokenizer.json, the one the training data was prepared with."""
+    task_limit: int = 0
+    """Score only the first this many examples of each task per evaluation; 0 means all."""
     memorisation_gap: float = 0.1
-    """Warn when train loss sits this far below held-out loss (averaged over the last evaluations)."""
+    """Warn when train loss sits this far below the first held-out set's loss (averaged over the last
+    evaluations)."""
+
+    def __post_init__(self):
+        for name in ("every", "batches", "task_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name} must be non-negative, got {getattr(self, name)}.")
 
 
 @dataclass(frozen=True)
@@ -234,6 +261,23 @@ class LogConfig:
     """W&B project; the run is named after run.name."""
     progress: bool = True
     """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
+    indices: bool = False
+    """Every process appends the global instance ids of each step's batch to run_dir/indices/process_<i>.jsonl."""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Multi-process JAX (`jax.distributed`). Unset fields come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID, else from JAX's cluster auto-detection (SLURM, TPU pods, GKE, Open MPI), else one process."""
+
+    coordinator_address: str | None = None
+    """host:port of process 0's coordination service."""
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout: int = 300
+    """Seconds to wait for every process to join."""
+    heartbeat_timeout: int = 100
+    """Seconds without a heartbeat after which a process counts as dead and the others are stopped."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +302,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     init_from: str | None = None
     """Start a new run from this checkpoint (a run's checkpoints/ or convert.py's output): weights, step and data
     position reset. Ignored when the run directory already has checkpoints (then the run resumes)."""

@@ -7,7 +7,7 @@ Step numbering (DESIGN.md): step s (1-based) applies update s using global batch
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import math
 import os
 import signal
@@ -57,21 +57,34 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_args(argv)
     from olmo3eqx import distributed
-
-    distributed.initialize()
     from olmo3eqx.checkpoint import CheckpointLoadError
     from olmo3eqx.config import ConfigError
     from olmo3eqx.data import DataError
 
     try:
+        distributed.initialize(cfg.dist)
         if cfg.dry_run:
             dry_run(cfg)
             return 0
         return train(cfg)
     except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError) as e:
         # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{process_tag()}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BaseException:
+        tag = process_tag()
+        if tag:  # which process failed, for logs interleaved from many hosts
+            print(f"error{tag}: the exception below stopped this process", file=sys.stderr)
+        raise
+
+
+def process_tag() -> str:
+    import jax
+
+    try:
+        return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
+    except Exception:  # noqa: BLE001 - the backend itself may be what failed
+        return ""
 
 
 def dry_run(cfg) -> None:
@@ -127,21 +140,35 @@ def dry_run(cfg) -> None:
 
 
 class Preemption:
-    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with EXIT_PREEMPTED."""
+    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with EXIT_PREEMPTED.
 
-    def __init__(self):
+    With several processes, JAX's own preemption notifier (installed by `jax.distributed`) catches SIGTERM and the
+    coordination service picks one step at which every process stops (`reached_preemption_sync_point`); a local
+    handler would let processes stop at different steps and deadlock in the next collective."""
+
+    def __init__(self, multiprocess: bool):
+        self.multiprocess = multiprocess
         self.requested = None
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        if self.requested is not None and signum == signal.SIGINT or self.multiprocess:
+            raise KeyboardInterrupt  # a second Ctrl-C (or any Ctrl-C of one process of many) stops at once
         self.requested = signal.Signals(signum).name
+
+    def check(self, step: int) -> str | None:
+        """The signal to stop on after `step`, agreed by all processes; None to go on."""
+        if self.multiprocess:
+            from jax.experimental import multihost_utils
+
+            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+        return self.requested
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -150,14 +177,13 @@ class Preemption:
 
 def train(cfg) -> int:
     import jax
-    import numpy as np
 
     from olmo3eqx import checkpoint as ckpt_lib
     from olmo3eqx import data as data_lib
     from olmo3eqx import flops, metrics, optim
     from olmo3eqx.config import dump_yaml, to_dict
     from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import abstract_state, make_eval_step, make_train_step, sharded_init, state_shardings
+    from olmo3eqx.step import abstract_state, make_train_step, sharded_init, state_shardings
 
     primary = jax.process_index() == 0
     run_dir = cfg.run_dir
@@ -166,6 +192,9 @@ def train(cfg) -> int:
         dump_yaml(cfg, run_dir / "config.yaml")
     log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
     say = log.print if primary else (lambda m: None)
+    from olmo3eqx import distributed
+
+    say(distributed.describe())
 
     mesh = make_mesh(cfg.mesh)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
@@ -202,7 +231,6 @@ def train(cfg) -> int:
                          f"batches instead of {start}; the checkpoint is inconsistent.")
 
     train_step = make_train_step(cfg, optimizer, mesh, plan, shardings)
-    eval_step = make_eval_step(cfg, mesh, shardings.model)
     tok_sharding, mask_sharding = batch_sharding(mesh, 2), batch_sharding(mesh, 1)
     global_tokens_shape = (cfg.data.global_batch, cfg.data.seq_len)
 
@@ -219,21 +247,17 @@ def train(cfg) -> int:
     def save(step: int) -> None:
         checkpointer.save(step, state, data_it.get_state(), config_dict)
 
+    from olmo3eqx import evals
+
+    # Held-out sets and task files are opened and checked here, before the first step.
+    evaluate_model, heldout_names = None, []
+    if cfg.eval.every:
+        evaluate_model, heldout_names = evals.build_evaluator(
+            cfg.eval, cfg.data, cfg.model, mesh=mesh, model_shardings=shardings.model, batch_size=plan.micro_batch,
+            seq_len=cfg.data.seq_len, max_instances=cfg.eval.batches * cfg.data.global_batch)
+
     def evaluate(step: int) -> dict:
-        total, count = 0.0, 0.0
-        it = data_lib.build_heldout_iterator(cfg.data, seq_len=cfg.data.seq_len, batch_size=plan.micro_batch,
-                                             shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                             vocab_size=vocab)
-        shape = (plan.micro_batch, cfg.data.seq_len)
-        for i, batch in enumerate(it):
-            if i >= cfg.eval.batches * plan.accum_steps:
-                break
-            tokens = jax.make_array_from_process_local_data(tok_sharding, batch["tokens"], shape)
-            mask = jax.make_array_from_process_local_data(mask_sharding, batch["mask"], shape[:1])
-            ce, n = eval_step(state.model, tokens, mask)
-            total, count = total + float(ce), count + float(n)
-        loss = total / max(count, 1.0)
-        return {"eval/heldout/loss": loss, "eval/heldout/ppl": math.exp(min(loss, 50.0))}
+        return evaluate_model(state.model)
 
     watcher = MemorisationWatch(cfg.eval.memorisation_gap)
     timer = {"time": None, "step": start}
@@ -263,13 +287,20 @@ def train(cfg) -> int:
             log.log(p.step, values)
         return 0
 
+    index_log = None
+    if cfg.log.indices:  # which data this run saw, per process (appends across resumes, like metrics.jsonl)
+        (run_dir / "indices").mkdir(parents=True, exist_ok=True)
+        index_log = open(run_dir / "indices" / f"process_{jax.process_index()}.jsonl", "a", buffering=1)
     pending = None
     status = 0
     step = start
-    with Preemption() as preempt:
+    with Preemption(jax.process_count() > 1) as preempt:
         try:
             for step in range(start + 1, cfg.steps + 1):
-                tokens, mask = to_device(next(data_it))
+                batch = next(data_it)
+                if index_log is not None:
+                    index_log.write(json.dumps({"step": step, "index": batch["index"].tolist()}) + "\n")
+                tokens, mask = to_device(batch)
                 state, step_metrics = train_step(state, tokens, mask)
                 current = metrics.PendingMetrics(step, step_metrics)
                 if pending is not None:  # step t's metrics are read after step t+1 is dispatched
@@ -277,7 +308,8 @@ def train(cfg) -> int:
                     if status:
                         break
                 pending = current
-                boundary = step % cfg.checkpoint.every == 0 or step == cfg.steps or preempt.requested
+                stop = preempt.check(step)
+                boundary = step % cfg.checkpoint.every == 0 or step == cfg.steps or stop
                 eval_due = cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps)
                 if boundary or eval_due:
                     status = report(pending)  # never checkpoint or evaluate a non-finite state
@@ -287,18 +319,21 @@ def train(cfg) -> int:
                 if eval_due:
                     ev = evaluate(step)
                     log.log(step, ev)
-                    warning = watcher.update(ev["eval/heldout/loss"])
+                    say(f"eval step {step}: {evals.summary(ev)}")
+                    warning = watcher.update(ev[f"eval/{heldout_names[0]}/loss"])
                     if warning:
                         say(warning)
                 if boundary:
                     save(step)
-                if preempt.requested:
-                    say(f"{preempt.requested} received: checkpoint {step} written; exiting to be resumed.")
+                if stop:
+                    say(f"{stop} received: checkpoint {step} written; exiting to be resumed.")
                     status = EXIT_PREEMPTED
                     break
             if pending is not None and not status:
                 status = report(pending)
         finally:
+            if index_log is not None:
+                index_log.close()
             checkpointer.close()
             log.close()
     return status
