@@ -286,3 +286,24 @@ def test_nonfinite_loss_stops_with_a_clear_message(setup):
             check=False)
     assert p.returncode == 3, p.stderr[-2000:]
     assert "non-finite" in p.stderr and "Traceback" not in p.stderr
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_until_done_relaunches_a_killed_run_to_the_end(setup, reference):
+    base, cfg = setup
+    run_dir = base / "supervised"
+    sup = subprocess.Popen(command(cfg, run_dir, "--until-done", "--retry-backoff", "0"), env=env(),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: logged_step(run_dir) >= 6 and committed(run_dir, 4), sup)
+    for child in children(sup.pid):
+        os.kill(child, signal.SIGKILL)
+    _, err = sup.communicate(timeout=300)
+    assert sup.returncode == 0, err[-3000:]
+    assert "relaunching" in err and "launch 2" in err and "run finished" in err
+    assert_same_run(run_dir, reference)

@@ -26,7 +26,11 @@ USAGE = """Train OLMo 3 with olmo3eqx. YAML gives the defaults, flags override a
 Entry flags (before the others):
   --config PATH           YAML preset (default: configs/tiny.yaml)
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
+  --until-done            supervise: relaunch this command after a crash or preemption until it finishes
+  --retry-backoff S       with --until-done: seconds to wait after a crash (default 300)
+  --max-restarts N        with --until-done: give up after N relaunches (default 20)
 """
+SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1}
 
 
 def parse_args(argv: list[str] | None = None):
@@ -34,6 +38,9 @@ def parse_args(argv: list[str] | None = None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=str(DEFAULT_CONFIG))
     pre.add_argument("--simulated-devices", type=int, default=0)
+    pre.add_argument("--until-done", action="store_true")
+    pre.add_argument("--retry-backoff", type=float, default=300.0)
+    pre.add_argument("--max-restarts", type=int, default=20)
     opts, rest = pre.parse_known_args(argv)
     if opts.simulated_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -54,8 +61,29 @@ def parse_args(argv: list[str] | None = None):
     return cfg, opts
 
 
+def child_args(argv: list[str]) -> list[str]:
+    """argv without the supervisor's own flags."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in SUPERVISOR_FLAGS:
+            skip = SUPERVISOR_FLAGS[name] if "=" not in arg else 0
+            continue
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg, _ = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg, opts = parse_args(argv)
+    if opts.until_done:
+        from olmo3eqx.supervise import run_until_done
+
+        return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
+                              backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
     from olmo3eqx import distributed
     from olmo3eqx.checkpoint import CheckpointLoadError
     from olmo3eqx.config import ConfigError
@@ -359,3 +387,7 @@ class MemorisationWatch:
             return (f"warning: train loss has been more than {self.gap} below held-out loss for {self.window} "
                     f"evaluations (now {train:.4f} vs {heldout:.4f}): memorisation, or repeated data?")
         return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""resume_until_done: relaunch a training command after a crash or preemption until it finishes.
+
+The run resumes from its newest checkpoint on every launch, so the supervisor only decides *whether* and *when*
+to launch again: at once after a preemption (exit 75), after `backoff_s` after a crash, never after an exit that
+a relaunch cannot fix (bad input, exit 2; a non-finite loss, exit 3), and at most `max_restarts` times.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 3, 75
+FINAL = {EXIT_USAGE: "bad input", EXIT_NONFINITE: "non-finite loss"}
+
+
+def log(message: str) -> None:
+    print(f"[until-done {time.strftime('%Y-%m-%d %H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_until_done(command: Sequence[str], *, backoff_s: float | int = 300.0, max_restarts: int = 20,
+                   sleep: Callable[[float], None] = time.sleep) -> int:
+    """Run `command` until it exits 0; return the last exit code."""
+    restarts = 0
+    while True:
+        log(f"launch {restarts + 1}: {' '.join(command)}")
+        try:
+            code = subprocess.call(list(command))
+        except KeyboardInterrupt:
+            log("interrupted; not relaunching")
+            return 130
+        if code == EXIT_OK:
+            log("run finished")
+            return code
+        if code in FINAL:
+            log(f"exit code {code} ({FINAL[code]}): a relaunch would fail the same way; giving up")
+            return code
+        if restarts >= max_restarts:
+            log(f"exit code {code}; {max_restarts} restarts used up; giving up")
+            return code
+        restarts += 1
+        if code == EXIT_PREEMPTED:
+            log(f"preempted (exit {code}); relaunching now (restart {restarts}/{max_restarts})")
+        else:
+            log(f"crashed (exit code {code}); relaunching in {backoff_s:g} s (restart {restarts}/{max_restarts})")
+            sleep(backoff_s)
