@@ -70,7 +70,7 @@ def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[
 
 def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], mask: Float[Array, " b"], z_loss: float):
     """(sum of CE, sum of z-loss) over the labelled tokens of a micro-batch."""
-    hidden = jax.vmap(model.hidden)(tokens)
+    hidden = model.hidden(tokens)  # the batch as a leading axis, not vmap: 2-D matmuls (model.py's doc)
     labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     ce, z = token_losses(hidden, model.lm_head.weight, labels, z_loss)
     w = label_weights(tokens, mask)

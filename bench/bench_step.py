@@ -1,0 +1,160 @@
+"""Train-step throughput, side by side in one process: our jitted step against `transformers`' Olmo3 with torch
+AdamW, same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
+
+    python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla]
+
+Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
+another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
+printed last and bench/results/step.json written. Do not run it with the test suite's XLA_FLAGS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+if __name__ == "__main__":
+    common.clean_xla_flags()  # before jax initialises
+
+import jax
+
+from olmo3eqx import flops
+from olmo3eqx.config import ModelConfig, load_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
+    """name -> (model, seq_len, batch). tiny: the default run (configs/tiny.yaml). small: ~50M parameters, the
+    window half the sequence as in OLMo 3's stage 1 (4096 of 8192)."""
+    tiny = load_yaml(REPO / "configs" / "tiny.yaml")
+    small = dataclasses.replace(
+        tiny.model, vocab_size=8192, hidden_size=640, intermediate_size=1728, num_hidden_layers=8,
+        num_attention_heads=10, num_key_value_heads=10, head_dim=64, sliding_window=256, max_position_embeddings=512)
+    return {"tiny": (tiny.model, tiny.data.seq_len, tiny.data.global_batch), "small": (small, 512, 4)}
+
+
+class JaxContender:
+    def __init__(self, model: ModelConfig, seq: int, batch: int):
+        self.cfg = common.train_config(model, seq, batch)
+        t = time.perf_counter()
+        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg)
+        jax.block_until_ready(self.state)
+        self.init_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self.step = self.step.lower(self.state, self.tokens, self.mask).compile()
+        self.compile_s = time.perf_counter() - t
+
+    def run(self, steps: int) -> None:
+        metrics = None
+        for _ in range(steps):  # dispatched back to back; the host waits once, at the end
+            self.state, metrics = self.step(self.state, self.tokens, self.mask)
+        jax.block_until_ready((self.state, metrics))
+
+
+class TorchContender:
+    def __init__(self, model: ModelConfig, seq: int, batch: int):
+        import torch
+        from transformers import Olmo3Config, Olmo3ForCausalLM
+
+        from olmo3eqx.hf import config_to_hf
+
+        torch.set_num_threads(os.cpu_count())
+        torch.manual_seed(0)
+        d = {k: v for k, v in config_to_hf(model, "float32").items() if k not in ("architectures", "model_type")}
+        hf_cfg = Olmo3Config(**d)
+        hf_cfg._attn_implementation = "sdpa"
+        self.model = Olmo3ForCausalLM(hf_cfg).float().train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.1)
+        self.tokens = torch.randint(0, model.vocab_size, (batch, seq))
+        self.torch = torch
+        self.init_s = self.compile_s = 0.0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.model(input_ids=self.tokens, labels=self.tokens).loss
+            loss.backward()
+            self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+def measure(contenders: dict, tokens_per_step: int, steps: int, repeats: int) -> dict[str, list[float]]:
+    for c in contenders.values():
+        c.run(2)  # warm-up: first-call work, allocator, caches
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, c in contenders.items():
+            t = time.perf_counter()
+            c.run(steps)
+            rates[name].append(steps * tokens_per_step / (time.perf_counter() - t))
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="tiny,small")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
+    ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args(argv)
+
+    load_before = os.getloadavg()
+    peak = flops.cpu_peak_flops(refresh=True)
+    configs = bench_configs()
+    rows, results = [], {}
+    for name in args.configs.split(","):
+        model, seq, batch = configs[name]
+        contenders = {}
+        for impl in args.attention.split(","):
+            contenders[f"olmo3eqx ({impl})"] = JaxContender(dataclasses.replace(model, attention_impl=impl), seq, batch)
+        if args.unrolled:
+            impl = args.attention.split(",")[0]
+            contenders[f"olmo3eqx ({impl}, unrolled)"] = JaxContender(
+                dataclasses.replace(model, attention_impl=impl, scan_layers=False), seq, batch)
+        if not args.no_torch:
+            contenders["transformers+torch"] = TorchContender(model, seq, batch)
+        rates = measure(contenders, seq * batch, args.steps, args.repeats)
+        per_token = flops.train_flops_per_token(model, seq)
+        for cname, r in rates.items():
+            results[f"{name}/{cname}"] = {"tokens_per_s": r, "median": common.median(r), "flops_per_token": per_token,
+                                          "seq_len": seq, "batch": batch, "params": flops.param_count(model),
+                                          "init_s": contenders[cname].init_s, "compile_s": contenders[cname].compile_s}
+        del contenders
+    peak_after = flops.cpu_peak_flops(refresh=True)
+    peak = max(peak, peak_after)  # a peak is an upper bound: load only lowers a measurement
+    load_after = os.getloadavg()
+    for key, r in results.items():
+        name, cname = key.split("/", 1)
+        torch_r = results.get(f"{name}/transformers+torch")
+        med = r["median"]
+        r["mfu"] = med * r["flops_per_token"] / peak
+        rows.append({"config": name, "params": f"{r['params'] / 1e6:.1f}M", "contender": cname,
+                     "tok_s": f"{med:,.0f}", "range": f"{min(r['tokens_per_s']):,.0f}-{max(r['tokens_per_s']):,.0f}",
+                     "vs_torch": f"{med / torch_r['median']:.2f}x" if torch_r else "",
+                     "gflops": f"{med * r['flops_per_token'] / 1e9:.1f}", "mfu": f"{100 * r['mfu']:.1f}%",
+                     "compile_s": f"{r['compile_s']:.1f}" if cname.startswith("olmo3eqx") else ""})
+    path = common.write_json("step.json", {"peak_flops": peak,
+                                           "load_before": load_before, "load_after": load_after,
+                                           "steps_per_repeat": args.steps, "repeats": args.repeats,
+                                           "results": results})
+    print(f"\nfloat32 matmul peak (best 2048^3, cached or measured now): {peak / 1e9:.0f} GFLOP/s (MFU's denominator); "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {os.cpu_count()} CPUs; {path}")
+    print(common.table(rows, [("config", "config"), ("params", "params"), ("contender", "contender"),
+                              ("tok_s", "tokens/s (median)"), ("range", "range"), ("vs_torch", "vs torch"),
+                              ("gflops", "model GFLOP/s"), ("mfu", "MFU"), ("compile_s", "compile s")]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Shared by the benchmarks: the machine, a clean XLA environment, the train step under test, tables, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+TEST_ONLY_FLAG = "--xla_backend_optimization_level=0"
+
+
+def clean_xla_flags() -> None:
+    """Drop the test suite's fast-compile flag (benchmarks measure the optimised program). Call before importing jax."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if TEST_ONLY_FLAG in flags:
+        os.environ["XLA_FLAGS"] = flags.replace(TEST_ONLY_FLAG, "").strip()
+        print(f"note: removed {TEST_ONLY_FLAG} from XLA_FLAGS (benchmarks time optimised code)")
+
+
+def machine() -> dict:
+    import jax
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "jax": jax.__version__, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "load_average": os.getloadavg()}
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def train_config(model, seq_len: int, batch: int):
+    """A TrainConfig around `model` whose whole batch is one micro-batch on one device."""
+    from olmo3eqx.config import DataConfig, MeshConfig, OptimConfig, TrainConfig
+
+    return TrainConfig(steps=10_000, model=model, data=DataConfig(seq_len=seq_len, global_batch=batch),
+                       optim=OptimConfig(lr=1e-3, warmup_steps=10),
+                       mesh=MeshConfig(fsdp=1, max_per_device_batch=batch))
+
+
+def build_step(cfg, devices=None):
+    """(jitted train step, initial state, tokens, mask) for TrainConfig `cfg` on `devices` (default: the first)."""
+    import jax
+    import numpy as np
+
+    from olmo3eqx import optim
+    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
+    from olmo3eqx.step import abstract_state, make_train_step, sharded_init, state_shardings
+
+    devices = devices or jax.devices()[:1]
+    mesh = make_mesh(dataclasses.replace(cfg.mesh, fsdp=len(devices)), devices)
+    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
+    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
+    shardings = state_shardings(abstract_state(cfg, optimizer), mesh)
+    step = make_train_step(cfg, optimizer, mesh, plan, shardings)
+    state = sharded_init(cfg, optimizer, mesh)
+    rng = np.random.default_rng(0)
+    tokens = jax.device_put(rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len),
+                                         dtype=np.int32), batch_sharding(mesh, 2))
+    mask = jax.device_put(np.ones(cfg.data.global_batch, np.float32), batch_sharding(mesh, 1))
+    return step, state, tokens, mask
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Plain-text table; columns are (key, header); floats formatted by the caller."""
+    cells = [[h for _, h in columns]] + [[str(r.get(k, "")) for k, _ in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(columns))) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(name: str | Path, data: dict) -> Path:
+    """Write `data` plus the machine to bench/results/<name> (or to `name` when it is a path with a directory)."""
+    path = Path(name) if Path(name).parent != Path(".") else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine(), "unix_time": time.time(), **data}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
