@@ -284,9 +284,6 @@ def train(cfg) -> int:
             cfg.eval, cfg.data, cfg.model, mesh=mesh, model_shardings=shardings.model, batch_size=plan.micro_batch,
             seq_len=cfg.data.seq_len, max_instances=cfg.eval.batches * cfg.data.global_batch)
 
-    def evaluate(step: int) -> dict:
-        return evaluate_model(state.model)
-
     watcher = MemorisationWatch(cfg.eval.memorisation_gap)
     timer = {"time": None, "step": start}
 
@@ -319,6 +316,10 @@ def train(cfg) -> int:
     if cfg.log.indices:  # which data this run saw, per process (appends across resumes, like metrics.jsonl)
         (run_dir / "indices").mkdir(parents=True, exist_ok=True)
         index_log = open(run_dir / "indices" / f"process_{jax.process_index()}.jsonl", "a", buffering=1)
+    if start == 0 and evaluate_model is not None:  # the starting point of the held-out curves, as step 0
+        ev = evaluate_model(state.model)
+        log.log(0, ev)
+        say(f"eval step 0: {evals.summary(ev)}")
     pending = None
     status = 0
     step = start
@@ -345,7 +346,7 @@ def train(cfg) -> int:
                     if status:
                         break
                 if eval_due:
-                    ev = evaluate(step)
+                    ev = evaluate_model(state.model)
                     log.log(step, ev)
                     say(f"eval step {step}: {evals.summary(ev)}")
                     warning = watcher.update(ev[f"eval/{heldout_names[0]}/loss"])
