@@ -253,11 +253,11 @@ def test_training_loop_logs_every_named_set_and_task(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     from olmo3eqx.metrics import read_metrics
 
-    [ev] = [r for r in read_metrics(tmp_path / "ev") if "eval/c4_en/loss" in r]
-    assert ev["step"] == 2
+    start, ev = [r for r in read_metrics(tmp_path / "ev") if "eval/c4_en/loss" in r]
+    assert (start["step"], ev["step"]) == (0, 2)  # the untrained model, then the end of the run
     for key in ("eval/c4_en/ppl", "eval/wiki/loss", "eval/tiny_mc/acc", "eval/tiny_mc/acc_per_char",
                 "eval/tiny_mc/bpb"):
-        assert math.isfinite(ev[key]), key
+        assert math.isfinite(ev[key]) and math.isfinite(start[key]), key
     assert "eval step 2: c4_en loss" in p.stderr
 
 

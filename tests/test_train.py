@@ -193,6 +193,21 @@ def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
     assert_same_run(run_dir, reference)
 
 
+def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(setup, reference):
+    """What SIGKILL in the middle of a save leaves: an uncommitted `<step>.orbax-checkpoint-tmp-*` directory."""
+    base, cfg = setup
+    run_dir = base / "killed-while-saving"
+    shutil.copytree(reference, run_dir)
+    ckpt = run_dir / "e2e" / "checkpoints"
+    (ckpt / "12" / "commit_success.txt").unlink()
+    (ckpt / "12").rename(ckpt / "12.orbax-checkpoint-tmp-1796000000")
+    metrics = run_dir / "e2e" / "metrics.jsonl"
+    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 8))
+    p = run(cfg, run_dir)
+    assert "resumed from" in p.stderr and "checkpoints/8" in p.stderr
+    assert_same_run(run_dir, reference)
+
+
 def test_refusals_unreadable_checkpoints_config_mismatch_and_done(setup, reference):
     base, cfg = setup
     done = run(cfg, reference)
