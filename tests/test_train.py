@@ -177,6 +177,12 @@ def test_resume_on_another_device_count(setup, reference):
     assert_same_run(run_dir, reference, exact=False)
 
 
+def keep_metrics_until(run_dir, step: int) -> None:
+    """Drop the metrics lines after `step`, so the replayed steps are the only ones logged after it."""
+    metrics = run_dir / "e2e" / "metrics.jsonl"
+    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= step))
+
+
 def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
     base, cfg = setup
     run_dir = base / "torn"
@@ -185,9 +191,7 @@ def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
     for f in (ckpt / "12" / "model").rglob("*"):
         if f.is_file() and f.name != "_METADATA":
             f.write_bytes(b"")  # torn array data
-    # Drop the metrics lines after step 8 so the replayed steps are the only ones logged for 9..12.
-    metrics = run_dir / "e2e" / "metrics.jsonl"
-    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 8))
+    keep_metrics_until(run_dir, 8)
     p = run(cfg, run_dir)
     assert "could not be restored" in p.stderr and "falling back" in p.stderr
     assert_same_run(run_dir, reference)
@@ -201,8 +205,7 @@ def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(setup, ref
     ckpt = run_dir / "e2e" / "checkpoints"
     (ckpt / "12" / "commit_success.txt").unlink()
     (ckpt / "12").rename(ckpt / "12.orbax-checkpoint-tmp-1796000000")
-    metrics = run_dir / "e2e" / "metrics.jsonl"
-    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 8))
+    keep_metrics_until(run_dir, 8)
     p = run(cfg, run_dir)
     assert "resumed from" in p.stderr and "checkpoints/8" in p.stderr
     assert_same_run(run_dir, reference)

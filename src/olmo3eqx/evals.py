@@ -44,7 +44,7 @@ from olmo3eqx.data.prepare import _encode, tokenizer_info
 from olmo3eqx.data.source import DataError, TokenSource, _check_ids, _file_dtype, expand_paths
 from olmo3eqx.model import OLMo3
 from olmo3eqx.sharding import batch_sharding
-from olmo3eqx.step import loss_chunk, token_losses
+from olmo3eqx.step import loss_chunk, map_sequence_chunks, token_losses
 
 DEFAULT_SET = "heldout"
 """Name of the held-out set used when eval.heldout names none (data.heldout_paths or the default corpus's)."""
@@ -228,12 +228,7 @@ def token_logprobs(model: OLMo3, tokens: Int[Array, "b s"],
         picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == y
 
-    if chunk == s:
-        return one(hidden, targets)
-    hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
-    ys = targets.reshape(b, s // chunk, chunk).swapaxes(0, 1)
-    lp, greedy = jax.lax.map(lambda args: one(*args), (hs, ys))
-    return lp.swapaxes(0, 1).reshape(b, s), greedy.swapaxes(0, 1).reshape(b, s)
+    return map_sequence_chunks(one, hidden, targets, chunk)
 
 
 def continuation_scores(model: OLMo3, tokens: Int[Array, "b s"], targets: Int[Array, "b s"],

@@ -54,12 +54,19 @@ def token_losses(
         picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return lse - picked, z_loss * jnp.square(lse)
 
+    return map_sequence_chunks(one, hidden, labels, chunk)
+
+
+def map_sequence_chunks(fn: Callable, hidden: Float[Array, "b s d"], ys: Int[Array, "b s"], chunk: int):
+    """Apply fn(hidden [b, c, d], ys [b, c]) -> per-position outputs [b, c] over the sequence `chunk` positions at a
+    time (lax.map, one chunk of logits alive at once) and reassemble each output as [b, s]."""
+    b, s, _ = hidden.shape
     if chunk == s:
-        return one(hidden, labels)
+        return fn(hidden, ys)
     hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
-    ys = labels.reshape(b, s // chunk, chunk).swapaxes(0, 1)
-    ce, z = jax.lax.map(lambda args: one(*args), (hs, ys))
-    return ce.swapaxes(0, 1).reshape(b, s), z.swapaxes(0, 1).reshape(b, s)
+    yc = ys.reshape(b, s // chunk, chunk).swapaxes(0, 1)
+    outs = jax.lax.map(lambda args: fn(*args), (hs, yc))
+    return tuple(o.swapaxes(0, 1).reshape(b, s) for o in outs)
 
 
 def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[Array, "b s"]:
