@@ -42,7 +42,7 @@ def bench(name: str, repeats: int = 3) -> dict:
     opt = optim.make_optimizer(cfg.optim, cfg.steps)
     abstract = abstract_state(cfg, opt)
     shardings = state_shardings(abstract, mesh)
-    state = sharded_init(cfg, opt, mesh)
+    state = sharded_init(cfg, opt, shardings)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     blocking, background, restore = [], [], []

@@ -36,7 +36,7 @@ def run(cfg, mesh_cfg, num_devices, steps=2):
     plan = plan_batch(BATCH, mesh, mesh_cfg.max_per_device_batch)
     opt = optim.make_optimizer(cfg.optim, cfg.steps)
     shardings = state_shardings(abstract_state(cfg, opt), mesh)
-    state = sharded_init(cfg, opt, mesh)
+    state = sharded_init(cfg, opt, shardings)
     fn = make_train_step(cfg, opt, mesh, plan, shardings)
     losses = []
     for i in range(steps):

@@ -284,7 +284,7 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     opt = optim.make_optimizer(tcfg.optim, tcfg.steps)
     abstract = abstract_state(tcfg, opt)
     shardings = state_shardings(abstract, mesh)
-    fresh = sharded_init(tcfg, opt, mesh)
+    fresh = sharded_init(tcfg, opt, shardings)
     src = reference / "e2e" / "checkpoints"
     carried = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=True)
     saved = Checkpointer(src, keep=3)

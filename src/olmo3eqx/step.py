@@ -107,9 +107,9 @@ def state_shardings(abstract: TrainState, mesh: Mesh):
     return tree_shardings(abstract, mesh)
 
 
-def sharded_init(cfg: TrainConfig, optimizer: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """Initialise directly into the mesh: every leaf is created already sharded (never whole on one device)."""
-    shardings = state_shardings(abstract_state(cfg, optimizer), mesh)
+def sharded_init(cfg: TrainConfig, optimizer: optax.GradientTransformation, shardings) -> TrainState:
+    """Initialise directly into `shardings` (state_shardings of the abstract state): every leaf is created already
+    sharded, never whole on one device."""
     init = jax.jit(lambda k: init_state(cfg, optimizer, k), out_shardings=shardings)
     return init(jax.random.PRNGKey(cfg.run.seed))
 
@@ -175,13 +175,3 @@ def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, m
     bsh = batch_sharding(mesh, 2)
     return jax.jit(train_step, in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),
                    out_shardings=(shardings, None), donate_argnums=0)
-
-
-def make_eval_step(cfg: TrainConfig, mesh: Mesh, model_shardings) -> Callable:
-    """jit(eval_step(model, tokens, mask) -> (sum of CE, labelled tokens)) for token-weighted held-out loss."""
-
-    def eval_step(model: OLMo3, tokens: Int[Array, "b s"], mask: Float[Array, " b"]):
-        ce, _ = loss_sums(model, tokens, mask, 0.0)
-        return ce, jnp.sum(label_weights(tokens, mask))
-
-    return jax.jit(eval_step, in_shardings=(model_shardings, batch_sharding(mesh, 2), batch_sharding(mesh, 1)))

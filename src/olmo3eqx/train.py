@@ -240,7 +240,7 @@ def train(cfg) -> int:
         say(f"resumed from {checkpointer.directory / str(start)}")
     else:
         start, data_state = 0, None
-        state = sharded_init(cfg, optimizer, mesh)
+        state = sharded_init(cfg, optimizer, shardings)
         if cfg.init_from:
             state = ckpt_lib.init_from(cfg.init_from, state, abstract, shardings, with_optimizer=cfg.init_optimizer)
             say(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
