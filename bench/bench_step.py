@@ -1,7 +1,14 @@
 """Train-step throughput, side by side in one process: our jitted step against `transformers`' Olmo3 with torch
 AdamW, same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
 
-    python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla]
+    python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
+
+Two olmo3eqx contenders by default: the whole step on one CPU device (XLA splits each matmul over the cores), and
+one CPU device per core with the batch and the FSDP-sharded state split over them (`train.py --simulated-devices
+N`): XLA's CPU backend runs each fusion other than a matmul on a single thread, so on one device those run one at
+a time while the other cores wait; with a device per core they run side by side. torch uses the same cores
+(`torch.set_num_threads`). The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak
+over the FLOPs per token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
@@ -22,6 +29,7 @@ import common
 
 if __name__ == "__main__":
     common.clean_xla_flags()  # before jax initialises
+    common.host_devices(os.cpu_count())  # one CPU device per core available to the per-core contender
 
 import jax
 
@@ -42,10 +50,10 @@ def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
 
 
 class JaxContender:
-    def __init__(self, model: ModelConfig, seq: int, batch: int):
+    def __init__(self, model: ModelConfig, seq: int, batch: int, devices: int = 1):
         self.cfg = common.train_config(model, seq, batch)
         t = time.perf_counter()
-        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg)
+        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg, jax.devices()[:devices])
         jax.block_until_ready(self.state)
         self.init_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-per-core", action="store_true", help="skip the one-device-per-core contender")
     args = ap.parse_args(argv)
 
     load_before = os.getloadavg()
@@ -118,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         contenders = {}
         for impl in args.attention.split(","):
             contenders[f"olmo3eqx ({impl})"] = JaxContender(dataclasses.replace(model, attention_impl=impl), seq, batch)
+        cores = len(jax.devices())
+        if not args.no_per_core and cores > 1 and batch % cores == 0:
+            impl = args.attention.split(",")[0]
+            contenders[f"olmo3eqx ({impl}, {cores} CPU devices)"] = JaxContender(
+                dataclasses.replace(model, attention_impl=impl), seq, batch, devices=cores)
         if args.unrolled:
             impl = args.attention.split(",")[0]
             contenders[f"olmo3eqx ({impl}, unrolled)"] = JaxContender(
@@ -134,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     peak_after = flops.cpu_peak_flops(refresh=True)
     peak = max(peak, peak_after)  # a peak is an upper bound: load only lowers a measurement
     load_after = os.getloadavg()
+    ceilings = {}
+    for key, r in results.items():
+        name = key.split("/", 1)[0]
+        ceilings[name] = peak / r["flops_per_token"]
+        r["ceiling_tokens_per_s"] = ceilings[name]
     for key, r in results.items():
         name, cname = key.split("/", 1)
         torch_r = results.get(f"{name}/transformers+torch")
@@ -144,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                      "vs_torch": f"{med / torch_r['median']:.2f}x" if torch_r else "",
                      "gflops": f"{med * r['flops_per_token'] / 1e9:.1f}", "mfu": f"{100 * r['mfu']:.1f}%",
                      "compile_s": f"{r['compile_s']:.1f}" if cname.startswith("olmo3eqx") else ""})
-    path = common.write_json("step.json", {"peak_flops": peak,
+    path = common.write_json("step.json", {"peak_flops": peak, "ceiling_tokens_per_s": ceilings,
                                            "load_before": load_before, "load_after": load_after,
                                            "steps_per_repeat": args.steps, "repeats": args.repeats,
                                            "results": results})
     print(f"\nfloat32 matmul peak (best 2048^3, cached or measured now): {peak / 1e9:.0f} GFLOP/s (MFU's denominator); "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {os.cpu_count()} CPUs; {path}")
+    for name, ceiling in ceilings.items():
+        torch_r = results.get(f"{name}/transformers+torch")
+        need = f"; 1.3x torch would be {1.3 * torch_r['median']:,.0f} ({1.3 * torch_r['median'] / ceiling:.0%} of it)" \
+            if torch_r else ""
+        print(f"{name}: ceiling at 100% MFU {ceiling:,.0f} tokens/s{need}")
     print(common.table(rows, [("config", "config"), ("params", "params"), ("contender", "contender"),
                               ("tok_s", "tokens/s (median)"), ("range", "range"), ("vs_torch", "vs torch"),
                               ("gflops", "model GFLOP/s"), ("mfu", "MFU"), ("compile_s", "compile s")]))

@@ -48,7 +48,7 @@ def attention(
     kv head h // (heads // kv_heads) (grouped-query attention). Leading batch axes are optional. Output in q's
     dtype."""
     backend = resolve(impl)
-    if q.ndim > (3 if backend == "blocked" else 4):
+    if backend != "blocked" and q.ndim > 4:
         return jax.vmap(lambda a, b, c: attention(a, b, c, window=window, impl=impl))(q, k, v)
     seq = q.shape[-3]
     if window is not None and window >= seq:
@@ -68,13 +68,17 @@ def sliding_block(seq: int, window: int) -> int:
 
 
 def blocked_attention(
-    q: Float[Array, "seq heads dim"], k: Float[Array, "seq kv_heads dim"], v: Float[Array, "seq kv_heads dim"],
-    *, window: int | None,
-) -> Float[Array, "seq heads dim"]:
-    """The "blocked" backend (see the module doc). Scores and softmax in float32, probabilities cast to v's dtype
-    for the PV matmul (as `jax.nn.dot_product_attention` does)."""
-    seq, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
+    v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None,
+) -> Float[Array, "*batch seq heads dim"]:
+    """The "blocked" backend (see the module doc). Leading batch axes are handled natively (no vmap). Scores and
+    softmax in float32, probabilities cast to v's dtype for the PV matmul (as `jax.nn.dot_product_attention` does).
+
+    Layout: q is transposed once to [*batch, kv_heads, blocks, groups * C, dim] and k, v to [*batch, kv_heads, seq,
+    dim], so both matmuls are canonical batched matmuls (batch axes leading, the contraction last or second to
+    last) that XLA's CPU backend runs without per-matmul transposed copies; one transpose back at the end."""
+    *lead, seq, heads, dim = q.shape
+    kv_heads = k.shape[-2]
     groups = heads // kv_heads
     if window is None or window >= seq:
         block = -(-seq // GLOBAL_BLOCKS)
@@ -82,15 +86,23 @@ def blocked_attention(
         block = sliding_block(seq, window)
     n = -(-seq // block)
     padded = n * block
+    nb = len(lead)
     if padded != seq:  # padding at the end is never seen by a real query (causality)
-        q, k, v = (jnp.pad(x, ((0, padded - seq), (0, 0), (0, 0))) for x in (q, k, v))
-    qb = q.reshape(n, block, kv_heads, groups, dim)
+        pad = [(0, 0)] * nb + [(0, padded - seq), (0, 0), (0, 0)]
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    # q: [*b, n*C, K*G, D] -> [*b, K, n, G*C, D]; k, v: [*b, T, K, D] -> [*b, K, T, D]
+    b_axes = tuple(range(nb))
+    qb = q.reshape(*lead, n, block, kv_heads, groups, dim).transpose(*b_axes, nb + 2, nb, nb + 3, nb + 1, nb + 4)
+    qb = qb.reshape(*lead, kv_heads, n, groups * block, dim)
+    kh, vh = (x.transpose(*b_axes, nb + 1, nb, nb + 2) for x in (k, v))
     scale = 1.0 / math.sqrt(dim)
     if window is None or window >= seq:
-        out = _triangle(qb, k, v, block, scale)
+        out = _triangle(qb, kh, vh, block, groups, scale)
     else:
-        out = _band(qb, k, v, block, window, scale)
-    return out.reshape(padded, heads, dim)[:seq]
+        out = _band(qb, kh, vh, block, groups, window, scale)
+    # [*b, K, n, G*C, D] -> [*b, n*C, K*G, D]
+    out = out.reshape(*lead, kv_heads, n, groups, block, dim).transpose(*b_axes, nb + 1, nb + 3, nb, nb + 2, nb + 4)
+    return out.reshape(*lead, padded, heads, dim)[..., :seq, :, :]
 
 
 def _softmax_pv(scores: Float[Array, "*b q s"], mask: np.ndarray, v_dtype, scale: float):
@@ -98,31 +110,34 @@ def _softmax_pv(scores: Float[Array, "*b q s"], mask: np.ndarray, v_dtype, scale
     return jax.nn.softmax(scores, axis=-1).astype(v_dtype)
 
 
-def _band(qb, k, v, block: int, window: int, scale: float):
-    """Sliding layer: query block b sees key blocks b-P..b, P = ceil((W-1)/C), as one batched matmul."""
-    n = qb.shape[0]
+def _band(qb, k, v, block: int, groups: int, window: int, scale: float):
+    """Sliding layer: query block b sees key blocks b-P..b, P = ceil((W-1)/C), as one batched matmul over
+    (batch, kv head, block)."""
+    n = qb.shape[-3]
     prev = min(n - 1, -(-(window - 1) // block))
 
-    def key_blocks(x):  # [n*C, K, D] -> [n, (P+1)*C, K, D]: block b holds positions (b-P)*C .. (b+1)*C - 1
-        xp = jnp.pad(x, ((prev * block, 0), (0, 0), (0, 0))).reshape(n + prev, block, *x.shape[1:])
-        return jnp.concatenate([xp[p:p + n] for p in range(prev + 1)], axis=1)
+    def key_blocks(x):  # [*b, K, n*C, D] -> [*b, K, n, (P+1)*C, D]: block b holds positions (b-P)*C .. (b+1)*C - 1
+        pad = [(0, 0)] * (x.ndim - 2) + [(prev * block, 0), (0, 0)]
+        xp = jnp.pad(x, pad).reshape(*x.shape[:-2], n + prev, block, x.shape[-1])
+        return jnp.concatenate([xp[..., p:p + n, :, :] for p in range(prev + 1)], axis=-2)
 
     i = np.arange(n)[:, None, None] * block + np.arange(block)[None, :, None]
     j = (np.arange(n)[:, None, None] - prev) * block + np.arange((prev + 1) * block)[None, None, :]
     mask = (j >= 0) & (j <= i) & (i - j < window)  # [n, C, (P+1)C]; j < 0 is the front padding
-    s = jnp.einsum("nqkgd,nskd->nkgqs", qb, key_blocks(k), preferred_element_type=jnp.float32)
-    p = _softmax_pv(s, mask[:, None, None], v.dtype, scale)
-    return jnp.einsum("nkgqs,nskd->nqkgd", p, key_blocks(v))
+    mask = np.tile(mask, (1, groups, 1))  # rows are (group, position) pairs, group-major
+    s = jnp.einsum("...nmd,...nsd->...nms", qb, key_blocks(k), preferred_element_type=jnp.float32)
+    p = _softmax_pv(s, mask, v.dtype, scale)
+    return jnp.einsum("...nms,...nsd->...nmd", p, key_blocks(v))
 
 
-def _triangle(qb, k, v, block: int, scale: float):
+def _triangle(qb, k, v, block: int, groups: int, scale: float):
     """Global layer: query block b sees keys 0..(b+1)*C - 1 (a static Python loop over the few blocks)."""
-    n = qb.shape[0]
+    n = qb.shape[-3]
     outs = []
     for b in range(n):
         keys = (b + 1) * block
-        mask = np.arange(block)[:, None] + b * block >= np.arange(keys)[None, :]
-        s = jnp.einsum("qkgd,skd->kgqs", qb[b], k[:keys], preferred_element_type=jnp.float32)
+        mask = np.tile(np.arange(block)[:, None] + b * block >= np.arange(keys)[None, :], (groups, 1))
+        s = jnp.einsum("...md,...sd->...ms", qb[..., b, :, :], k[..., :keys, :], preferred_element_type=jnp.float32)
         p = _softmax_pv(s, mask, v.dtype, scale)
-        outs.append(jnp.einsum("kgqs,skd->qkgd", p, v[:keys]))
-    return jnp.stack(outs)
+        outs.append(jnp.einsum("...ms,...sd->...md", p, v[..., :keys, :]))
+    return jnp.stack(outs, axis=-3)

@@ -42,19 +42,19 @@ def loss_chunk(batch: int, seq: int, vocab: int) -> int:
 def token_losses(
     hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
 ) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
-    """Per-token cross-entropy and z-loss in float32, unembedding `chunk` positions at a time; the chunk function
-    is rematerialised so the backward pass never holds more than one chunk of logits."""
+    """Per-token cross-entropy and z-loss in float32, unembedding `chunk` positions at a time. With several chunks
+    the chunk function is rematerialised, so the backward pass never holds more than one chunk of logits; when the
+    whole micro-batch is one chunk (its logits fit LOGITS_BUDGET) they are kept instead of computed twice."""
     b, s, _ = hidden.shape
     chunk = loss_chunk(b, s, lm_head.shape[1])
 
-    @jax.checkpoint
     def one(h, y):
         logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return lse - picked, z_loss * jnp.square(lse)
 
-    return map_sequence_chunks(one, hidden, labels, chunk)
+    return map_sequence_chunks(one if chunk == s else jax.checkpoint(one), hidden, labels, chunk)
 
 
 def map_sequence_chunks(fn: Callable, hidden: Float[Array, "b s d"], ys: Int[Array, "b s"], chunk: int):
@@ -142,9 +142,13 @@ def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, m
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             return (grads, ce_sum + ce, z_sum + z), None
 
-        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
-        (grads, ce_sum, z_sum), _ = jax.lax.scan(
-            accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask))
+        if plan.accum_steps == 1:  # no accumulator to zero and add into
+            (_, (ce_sum, z_sum)), grads = grad_fn(params, micro_tokens[0], micro_mask[0])
+            grads = eqx.filter(grads, eqx.is_array)
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
+            (grads, ce_sum, z_sum), _ = jax.lax.scan(
+                accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask))
         ce_mean, z_mean = ce_sum / total, z_sum / total
         grad_norm = optim.global_norm(grads)
         step = state.step + 1
