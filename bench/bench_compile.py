@@ -1,7 +1,7 @@
 """Compile time of the train step against depth: 4, 16 and 32 layers of the tiny config's width, with the scan over
 OLMo 3's 4-layer period (model.scan_layers, the default) and, for contrast, unrolled.
 
-    python bench/bench_compile.py [--depths 4,16,32] [--unrolled-depths 4,16]
+    python bench/bench_compile.py [--depths 4,16,32] [--unrolled-depths 4,16] [--remat none|full|dots|dots_no_batch]
 
 Times tracing+lowering and XLA compilation of the jitted step separately (abstract inputs: nothing is run), each
 depth in a fresh subprocess so no cache is shared; prints a table last and writes bench/results/compile.json.
@@ -32,7 +32,7 @@ from olmo3eqx.config import load_yaml
 from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
 from olmo3eqx.step import abstract_state, make_train_step, state_shardings
 tiny = load_yaml({config!r})
-model = dataclasses.replace(tiny.model, num_hidden_layers={depth}, scan_layers={scan})
+model = dataclasses.replace(tiny.model, num_hidden_layers={depth}, scan_layers={scan}, remat={remat!r})
 cfg = common.train_config(model, tiny.data.seq_len, tiny.data.global_batch)
 mesh = make_mesh(cfg.mesh, jax.devices()[:1])
 plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
@@ -51,9 +51,9 @@ print(json.dumps({{"lower_s": t1 - t0, "compile_s": t2 - t1}}))
 """
 
 
-def measure(depth: int, scan: bool) -> dict:
+def measure(depth: int, scan: bool, remat: str) -> dict:
     code = CHILD.format(bench=str(Path(__file__).parent), config=str(REPO / "configs" / "tiny.yaml"), depth=depth,
-                        scan=scan)
+                        scan=scan, remat=remat)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="4,16,32")
     ap.add_argument("--unrolled-depths", default="4,16")
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes per point; the fastest is reported")
+    ap.add_argument("--remat", default="none", help="model.remat: none (tiny's) or full (the 7B recipe's), ...")
     args = ap.parse_args(argv)
     common.clean_xla_flags()
     load_before = os.getloadavg()
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     points += [(int(d), False) for d in args.unrolled_depths.split(",") if d]
     results, rows = {}, []
     for depth, scan in points:
-        runs = [measure(depth, scan) for _ in range(args.repeats)]
+        runs = [measure(depth, scan, args.remat) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["lower_s"] + r["compile_s"])
         results[f"{depth}/{'scan' if scan else 'unrolled'}"] = {"runs": runs, "best": best}
     base = results[f"{points[0][0]}/scan"]["best"]
@@ -82,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"depth": depth, "mode": mode, "lower": f"{b['lower_s']:.1f}", "compile": f"{b['compile_s']:.1f}",
                      "total": f"{total:.1f}", "ratio": f"{total / base_total:.2f}x"})
     load_after = os.getloadavg()
-    path = common.write_json("compile.json", {"results": results, "load_before": load_before,
+    name = "compile.json" if args.remat == "none" else f"compile_remat_{args.remat}.json"
+    path = common.write_json(name, {"remat": args.remat, "results": results, "load_before": load_before,
                                               "load_after": load_after})
-    print(f"\ntrain step of configs/tiny.yaml's width (seq 256, batch 16) at several depths; best of {args.repeats} "
+    print(f"\ntrain step of configs/tiny.yaml's width (seq 256, batch 16), remat {args.remat}, at several depths; "
+          f"best of {args.repeats} "
           f"fresh processes; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {path}")
     print(common.table(rows, [("depth", "layers"), ("mode", "layers as"), ("lower", "trace+lower s"),
                               ("compile", "XLA compile s"), ("total", "total s"),

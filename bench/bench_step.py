@@ -3,12 +3,8 @@ AdamW, same config, batch, dtype (float32) and threads; plus MFU against this CP
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
 
-Two olmo3eqx contenders by default: the whole step on one CPU device (XLA splits each matmul over the cores), and
-one CPU device per core with the batch and the FSDP-sharded state split over them (`train.py --simulated-devices
-N`): XLA's CPU backend runs each fusion other than a matmul on a single thread, so on one device those run one at
-a time while the other cores wait; with a device per core they run side by side. torch uses the same cores
-(`torch.set_num_threads`). The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak
-over the FLOPs per token): no implementation can pass it without skipping work.
+The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over the FLOPs per token): no
+implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
@@ -29,7 +25,6 @@ import common
 
 if __name__ == "__main__":
     common.clean_xla_flags()  # before jax initialises
-    common.host_devices(os.cpu_count())  # one CPU device per core available to the per-core contender
 
 import jax
 
@@ -50,10 +45,10 @@ def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
 
 
 class JaxContender:
-    def __init__(self, model: ModelConfig, seq: int, batch: int, devices: int = 1):
+    def __init__(self, model: ModelConfig, seq: int, batch: int):
         self.cfg = common.train_config(model, seq, batch)
         t = time.perf_counter()
-        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg, jax.devices()[:devices])
+        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg)
         jax.block_until_ready(self.state)
         self.init_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -115,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--no-per-core", action="store_true", help="skip the one-device-per-core contender")
     args = ap.parse_args(argv)
 
     load_before = os.getloadavg()
@@ -127,11 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         contenders = {}
         for impl in args.attention.split(","):
             contenders[f"olmo3eqx ({impl})"] = JaxContender(dataclasses.replace(model, attention_impl=impl), seq, batch)
-        cores = len(jax.devices())
-        if not args.no_per_core and cores > 1 and batch % cores == 0:
-            impl = args.attention.split(",")[0]
-            contenders[f"olmo3eqx ({impl}, {cores} CPU devices)"] = JaxContender(
-                dataclasses.replace(model, attention_impl=impl), seq, batch, devices=cores)
         if args.unrolled:
             impl = args.attention.split(",")[0]
             contenders[f"olmo3eqx ({impl}, unrolled)"] = JaxContender(

@@ -21,13 +21,6 @@ def clean_xla_flags() -> None:
         print(f"note: removed {TEST_ONLY_FLAG} from XLA_FLAGS (benchmarks time optimised code)")
 
 
-def host_devices(n: int) -> None:
-    """Expose `n` CPU devices (XLA_FLAGS, before jax initialises) unless the environment already sets a count."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def machine() -> dict:
     import jax
 
