@@ -31,7 +31,7 @@ S, F = "sliding_attention", "full_attention"
 
 # Each config exercises one thing; sequences (48) are longer than every window that should bite.
 CONFIGS = {
-    # (a) plain multi-head attention; the window (64) covers the whole sequence; scan over 2 layers.
+    # (a) plain multi-head attention; the window (64) covers the whole sequence; 2 layers (unrolled).
     "mha": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_hidden_layers=2,
                 sliding_window=64),
     # (b) grouped-query attention, 8 query heads over 2 kv heads.
@@ -41,7 +41,8 @@ CONFIGS = {
     "window": dict(num_hidden_layers=4, sliding_window=8),
     # (d) irregular layer_types (no period shorter than the depth): the Python loop path.
     "irregular": dict(num_hidden_layers=5, layer_types=[F, S, S, F, S], sliding_window=8),
-    # (e) odd vocabulary, head_dim 24 != hidden 64 / 4 heads, a non-default RoPE theta, eps 1e-5, MQA.
+    # (e) odd vocabulary, head_dim 24 != hidden 64 / 4 heads, a non-default RoPE theta, eps 1e-5, MQA; a scan
+    # over 3 sliding layers (period 1).
     "odd": dict(vocab_size=383, hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
                 num_hidden_layers=3, sliding_window=12, rms_norm_eps=1e-5,
                 rope_parameters={F: {"rope_type": "default", "rope_theta": 10000.0},

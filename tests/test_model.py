@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from olmo3eqx.config import FULL, SLIDING, ModelConfig
-from olmo3eqx.model import OLMo3, abstract_model, init_model, num_params
+from olmo3eqx.model import MAX_UNROLLED_GROUPS, OLMo3, abstract_model, init_model, num_params
 
 TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64, eos_token_id=0,
@@ -98,11 +98,24 @@ def test_sliding_window_by_gradients():
     assert (with_global > 0).all(), "a global layer should let every earlier token reach the last position"
 
 
+def uses_scan(model, tokens) -> bool:
+    return "scan" in str(jax.make_jaxpr(lambda m, t: m.hidden(t))(model, tokens))
+
+
+def test_scan_only_when_the_period_repeats_more_than_twice():
+    tokens = jnp.zeros((SEQ,), jnp.int32)
+    assert MAX_UNROLLED_GROUPS == 2
+    assert not uses_scan(make(tiny(num_hidden_layers=8, layer_types=None), 0), tokens)  # 2 periods: unrolled
+    assert uses_scan(make(tiny(num_hidden_layers=12, layer_types=None), 0), tokens)  # 3 periods: scanned
+    assert not uses_scan(make(tiny(num_hidden_layers=12, layer_types=None, scan_layers=False), 0), tokens)
+
+
 def test_scan_matches_unrolled():
-    # OLMo's 3:1 pattern over 8 layers: scan over 2 groups of period 4.
-    cfg = tiny(num_hidden_layers=8, layer_types=None)
+    # OLMo's 3:1 pattern over 12 layers: scan over 3 groups of period 4.
+    cfg = tiny(num_hidden_layers=12, layer_types=None)
     tokens = jax.random.randint(jax.random.key(2), (SEQ,), 0, cfg.vocab_size)
     scanned = make(cfg, 3)
+    assert uses_scan(scanned, tokens)
     unrolled = dataclasses.replace(scanned, cfg=dataclasses.replace(cfg, scan_layers=False))
     a, b = fwd(scanned, tokens), fwd(unrolled, tokens)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -71,7 +71,8 @@ class ModelConfig:
     remat: str = "none"
     """Per-block rematerialisation: none, full, dots (save matmul outputs), dots_no_batch."""
     scan_layers: bool = True
-    """Scan over the repeating period of layer_types (compile time flat in depth); False unrolls every layer."""
+    """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats more than twice
+    (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: Literal["auto", "xla", "cudnn", "blocked"] = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
     (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band);
