@@ -134,17 +134,19 @@ def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, m
 
         grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)
 
+        def micro_grads(t, m):
+            """(grads laid out like the parameters, CE sum, z-loss sum) of one micro-batch."""
+            (_, (ce, z)), g = grad_fn(params, t, m)
+            return jax.lax.with_sharding_constraint(eqx.filter(g, eqx.is_array), param_shardings), ce, z
+
         def accumulate(carry, xs):
             grads, ce_sum, z_sum = carry
-            (_, (ce, z)), g = grad_fn(params, *xs)
-            g = eqx.filter(g, eqx.is_array)
-            grads = jax.tree.map(jnp.add, grads, g)
-            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+            g, ce, z = micro_grads(*xs)
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), param_shardings)
             return (grads, ce_sum + ce, z_sum + z), None
 
         if plan.accum_steps == 1:  # no accumulator to zero and add into
-            (_, (ce_sum, z_sum)), grads = grad_fn(params, micro_tokens[0], micro_mask[0])
-            grads = eqx.filter(grads, eqx.is_array)
+            grads, ce_sum, z_sum = micro_grads(micro_tokens[0], micro_mask[0])
         else:
             zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
             (grads, ce_sum, z_sum), _ = jax.lax.scan(
