@@ -137,13 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     peak_after = flops.cpu_peak_flops(refresh=True)
     peak = max(peak, peak_after)  # a peak is an upper bound: load only lowers a measurement
     load_after = os.getloadavg()
-    ceilings = {}
-    for key, r in results.items():
-        name = key.split("/", 1)[0]
-        ceilings[name] = peak / r["flops_per_token"]
-        r["ceiling_tokens_per_s"] = ceilings[name]
+    ceilings = {}  # config -> tokens/s at 100% MFU
     for key, r in results.items():
         name, cname = key.split("/", 1)
+        ceilings[name] = peak / r["flops_per_token"]
         torch_r = results.get(f"{name}/transformers+torch")
         med = r["median"]
         r["mfu"] = med * r["flops_per_token"] / peak
