@@ -19,12 +19,11 @@ from pathlib import Path
 
 import jax
 
-from olmo3eqx import optim
 from olmo3eqx.checkpoint import Checkpointer
 from olmo3eqx.config import load_yaml, to_dict
 from olmo3eqx.flops import param_count
 from olmo3eqx.sharding import make_mesh
-from olmo3eqx.step import abstract_state, sharded_init, state_shardings
+from olmo3eqx.step import sharded_init, state_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,9 +38,7 @@ def config(name: str):
 def bench(name: str, repeats: int = 3) -> dict:
     cfg = config(name)
     mesh = make_mesh(cfg.mesh)
-    opt = optim.make_optimizer(cfg.optim, cfg.steps)
-    abstract = abstract_state(cfg, opt)
-    shardings = state_shardings(abstract, mesh)
+    opt, abstract, shardings = state_layout(cfg, mesh)
     state = sharded_init(cfg, opt, shardings)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))

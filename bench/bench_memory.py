@@ -26,11 +26,11 @@ if __name__ == "__main__":
 import jax
 import jax.numpy as jnp
 
-from olmo3eqx import flops, optim
+from olmo3eqx import flops
 from olmo3eqx.checkpoint import abstract_with_shardings
 from olmo3eqx.config import load_yaml
 from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-from olmo3eqx.step import abstract_state, make_train_step, state_shardings
+from olmo3eqx.step import make_train_step, state_layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,9 +39,7 @@ def analyse(model, seq: int, batch: int) -> dict:
     cfg = common.train_config(model, seq, batch)
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     plan = plan_batch(batch, mesh, batch)
-    opt = optim.make_optimizer(cfg.optim, cfg.steps)
-    abstract = abstract_state(cfg, opt)
-    shardings = state_shardings(abstract, mesh)
+    opt, abstract, shardings = state_layout(cfg, mesh)
     step = make_train_step(cfg, opt, mesh, plan, shardings)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh, 2))
     mask = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sharding(mesh, 1))

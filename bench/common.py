@@ -48,15 +48,13 @@ def build_step(cfg, devices=None):
     import jax
     import numpy as np
 
-    from olmo3eqx import optim
     from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import abstract_state, make_train_step, sharded_init, state_shardings
+    from olmo3eqx.step import make_train_step, sharded_init, state_layout
 
     devices = devices or jax.devices()[:1]
     mesh = make_mesh(dataclasses.replace(cfg.mesh, fsdp=len(devices)), devices)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
-    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
-    shardings = state_shardings(abstract_state(cfg, optimizer), mesh)
+    optimizer, _, shardings = state_layout(cfg, mesh)
     step = make_train_step(cfg, optimizer, mesh, plan, shardings)
     state = sharded_init(cfg, optimizer, shardings)
     rng = np.random.default_rng(0)

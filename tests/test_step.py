@@ -12,7 +12,7 @@ from olmo3eqx import optim, step as step_lib
 from olmo3eqx.checkpoint import is_leaf_like
 from olmo3eqx.config import MeshConfig, ModelConfig, OptimConfig, TrainConfig, DataConfig
 from olmo3eqx.sharding import make_mesh, partition_spec, plan_batch
-from olmo3eqx.step import abstract_state, make_train_step, sharded_init, state_shardings
+from olmo3eqx.step import make_train_step, sharded_init, state_layout
 
 MODEL = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -34,8 +34,7 @@ def batch(seed=0):
 def run(cfg, mesh_cfg, num_devices, steps=2):
     mesh = make_mesh(mesh_cfg, jax.devices()[:num_devices])
     plan = plan_batch(BATCH, mesh, mesh_cfg.max_per_device_batch)
-    opt = optim.make_optimizer(cfg.optim, cfg.steps)
-    shardings = state_shardings(abstract_state(cfg, opt), mesh)
+    opt, _, shardings = state_layout(cfg, mesh)
     state = sharded_init(cfg, opt, shardings)
     fn = make_train_step(cfg, opt, mesh, plan, shardings)
     losses = []

@@ -274,16 +274,14 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     assert data["batches_consumed"] == 4  # data position reset, not continued from stage 1's 12
 
     # The moments themselves: init_from with the optimizer carries stage 1's AdamW state leaf for leaf.
-    from olmo3eqx import checkpoint as ckpt_lib, optim
+    from olmo3eqx import checkpoint as ckpt_lib
     from olmo3eqx.config import load_yaml
     from olmo3eqx.sharding import make_mesh
-    from olmo3eqx.step import abstract_state, sharded_init, state_shardings
+    from olmo3eqx.step import sharded_init, state_layout
 
     tcfg = load_yaml(cfg)
     mesh = make_mesh(tcfg.mesh)
-    opt = optim.make_optimizer(tcfg.optim, tcfg.steps)
-    abstract = abstract_state(tcfg, opt)
-    shardings = state_shardings(abstract, mesh)
+    opt, abstract, shardings = state_layout(tcfg, mesh)
     fresh = sharded_init(tcfg, opt, shardings)
     src = reference / "e2e" / "checkpoints"
     carried = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=True)

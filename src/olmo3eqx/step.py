@@ -107,6 +107,14 @@ def state_shardings(abstract: TrainState, mesh: Mesh):
     return tree_shardings(abstract, mesh)
 
 
+def state_layout(cfg: TrainConfig, mesh: Mesh) -> tuple[optax.GradientTransformation, TrainState, TrainState]:
+    """(optimizer, abstract state, its shardings on `mesh`): what initialising, restoring or compiling a train state
+    starts from."""
+    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
+    abstract = abstract_state(cfg, optimizer)
+    return optimizer, abstract, state_shardings(abstract, mesh)
+
+
 def sharded_init(cfg: TrainConfig, optimizer: optax.GradientTransformation, shardings) -> TrainState:
     """Initialise directly into `shardings` (state_shardings of the abstract state): every leaf is created already
     sharded, never whole on one device."""

@@ -122,11 +122,11 @@ def dry_run(cfg) -> None:
     import jax.numpy as jnp
     import yaml
 
-    from olmo3eqx import flops, optim
+    from olmo3eqx import flops
     from olmo3eqx.checkpoint import abstract_with_shardings
     from olmo3eqx.config import to_dict
     from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import abstract_state, make_train_step, state_shardings
+    from olmo3eqx.step import make_train_step, state_layout
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
@@ -146,9 +146,7 @@ def dry_run(cfg) -> None:
     print(f"mesh:                  {dict(mesh.shape)}")
     print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
-    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
-    abstract = abstract_state(cfg, optimizer)
-    shardings = state_shardings(abstract, mesh)
+    optimizer, abstract, shardings = state_layout(cfg, mesh)
     step_fn = make_train_step(cfg, optimizer, mesh, plan, shardings)
     tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, seq), jnp.int32, sharding=batch_sharding(mesh, 2))
     mask = jax.ShapeDtypeStruct((cfg.data.global_batch,), jnp.float32, sharding=batch_sharding(mesh, 1))
@@ -208,10 +206,10 @@ def train(cfg) -> int:
 
     from olmo3eqx import checkpoint as ckpt_lib
     from olmo3eqx import data as data_lib
-    from olmo3eqx import flops, metrics, optim
+    from olmo3eqx import flops, metrics
     from olmo3eqx.config import dump_yaml, to_dict
     from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import abstract_state, make_train_step, sharded_init, state_shardings
+    from olmo3eqx.step import make_train_step, sharded_init, state_layout
 
     primary = jax.process_index() == 0
     run_dir = cfg.run_dir
@@ -226,9 +224,7 @@ def train(cfg) -> int:
 
     mesh = make_mesh(cfg.mesh)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
-    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
-    abstract = abstract_state(cfg, optimizer)
-    shardings = state_shardings(abstract, mesh)
+    optimizer, abstract, shardings = state_layout(cfg, mesh)
     say(f"mesh {dict(mesh.shape)}; per-device batch {plan.per_device_batch} x {plan.accum_steps} accumulation "
         f"steps = global batch {plan.global_batch}")
 
