@@ -1,21 +1,27 @@
-"""Train-step throughput, side by side in one process: our jitted step against `transformers`' Olmo3 with torch
-AdamW, same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
+"""Train-step throughput, side by side in one run: our jitted step against `transformers`' Olmo3 with torch AdamW,
+same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
+                               [--page-contrast]
 
-The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over the FLOPs per token): no
-implementation can pass it without skipping work.
+Each contender runs in its own worker process, in the environment its users get: olmo3eqx with the glibc malloc
+tunables `train.py` sets up (olmo3eqx/hostmem.py), torch as it starts by default (huge pages made it slower).
+`--page-contrast` adds olmo3eqx without the tunables. The ceiling printed per config is the tokens/s at 100% MFU (the
+measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
-another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
-printed last and bench/results/step.json written. Do not run it with the test suite's XLA_FLAGS.
+another process hits all of them alike; the others wait, idle) after a warm-up; tokens/s is the median over
+repeats. The table is printed last and bench/results/step.json written. Do not run it with the test suite's
+XLA_FLAGS.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +32,12 @@ import common
 if __name__ == "__main__":
     common.clean_xla_flags()  # before jax initialises
 
-import jax
-
-from olmo3eqx import flops
+from olmo3eqx import flops, hostmem
 from olmo3eqx.config import ModelConfig, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
+PROTOCOL = "@bench "
+"""Prefix of the worker's protocol lines on stdout (anything else a library prints there is passed on)."""
 
 
 def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
@@ -46,6 +52,9 @@ def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
 
 class JaxContender:
     def __init__(self, model: ModelConfig, seq: int, batch: int):
+        import jax
+
+        self.jax = jax
         self.cfg = common.train_config(model, seq, batch)
         t = time.perf_counter()
         self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg)
@@ -59,7 +68,7 @@ class JaxContender:
         metrics = None
         for _ in range(steps):  # dispatched back to back; the host waits once, at the end
             self.state, metrics = self.step(self.state, self.tokens, self.mask)
-        jax.block_until_ready((self.state, metrics))
+        self.jax.block_until_ready((self.state, metrics))
 
 
 class TorchContender:
@@ -90,15 +99,72 @@ class TorchContender:
             self.opt.zero_grad(set_to_none=True)
 
 
-def measure(contenders: dict, tokens_per_step: int, steps: int, repeats: int) -> dict[str, list[float]]:
-    for c in contenders.values():
-        c.run(2)  # warm-up: first-call work, allocator, caches
-    rates: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, c in contenders.items():
+def worker(spec: dict) -> int:
+    """A contender's process: build it, say `ready`, then time `run N` requests from stdin until `quit`."""
+    model, seq, batch = bench_configs()[spec["config"]]
+    model = dataclasses.replace(model, **spec.get("overrides", {}))
+    contender = (JaxContender if spec["kind"] == "jax" else TorchContender)(model, seq, batch)
+
+    def say(**msg) -> None:
+        print(PROTOCOL + json.dumps(msg), flush=True)
+
+    say(ready=True, init_s=contender.init_s, compile_s=contender.compile_s)
+    for line in sys.stdin:
+        command = line.split()
+        if command[:1] == ["run"]:
             t = time.perf_counter()
-            c.run(steps)
-            rates[name].append(steps * tokens_per_step / (time.perf_counter() - t))
+            contender.run(int(command[1]))
+            say(seconds=time.perf_counter() - t)
+        elif command[:1] == ["quit"]:
+            break
+    return 0
+
+
+class Worker:
+    """The parent's handle on one contender's worker process (see `worker`)."""
+
+    def __init__(self, spec: dict, env: dict[str, str]):
+        self.spec = spec
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._receive()
+        self.init_s, self.compile_s = ready["init_s"], ready["compile_s"]
+
+    def _receive(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(PROTOCOL):
+                return json.loads(line[len(PROTOCOL):])
+            sys.stdout.write(line)  # a library's own output: pass it on
+        raise RuntimeError(f"bench worker {self.spec} exited with code {self.proc.wait()} (its stderr is above)")
+
+    def run(self, steps: int) -> float:
+        self.proc.stdin.write(f"run {steps}\n")
+        self.proc.stdin.flush()
+        return self._receive()["seconds"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def contender_envs() -> tuple[dict[str, str], dict[str, str], str]:
+    """(olmo3eqx's environment as train.py sets it up, torch's default one, what the first adds)."""
+    value = hostmem.tunables(os.environ, mode=hostmem.thp_mode(), glibc=hostmem.glibc_version(),
+                             accelerator=hostmem.has_accelerator(os.environ))
+    if value is None:
+        return dict(os.environ), dict(os.environ), "the environment as it is (hostmem adds nothing here)"
+    return {**os.environ, "GLIBC_TUNABLES": value}, dict(os.environ), f"GLIBC_TUNABLES={value}"
+
+
+def measure(workers: dict[str, Worker], tokens_per_step: int, steps: int, repeats: int) -> dict[str, list[float]]:
+    for w in workers.values():
+        w.run(2)  # warm-up: first-call work, allocator, caches
+    rates: dict[str, list[float]] = {name: [] for name in workers}
+    for _ in range(repeats):
+        for name, w in workers.items():
+            rates[name].append(steps * tokens_per_step / w.run(steps))
     return rates
 
 
@@ -110,30 +176,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--page-contrast", action="store_true",
+                    help="also time olmo3eqx without train.py's malloc tunables (olmo3eqx/hostmem.py)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
 
     load_before = os.getloadavg()
     peak = flops.cpu_peak_flops(refresh=True)
+    ours_env, default_env, pages = contender_envs()
+    print(f"olmo3eqx contenders run with {pages}; torch and the default-malloc contrast without")
     configs = bench_configs()
     rows, results = [], {}
     for name in args.configs.split(","):
         model, seq, batch = configs[name]
-        contenders = {}
+        specs = {}  # contender -> (spec, env)
         for impl in args.attention.split(","):
-            contenders[f"olmo3eqx ({impl})"] = JaxContender(dataclasses.replace(model, attention_impl=impl), seq, batch)
+            specs[f"olmo3eqx ({impl})"] = ({"kind": "jax", "overrides": {"attention_impl": impl}}, ours_env)
+        first = args.attention.split(",")[0]
         if args.unrolled:
-            impl = args.attention.split(",")[0]
-            contenders[f"olmo3eqx ({impl}, unrolled)"] = JaxContender(
-                dataclasses.replace(model, attention_impl=impl, scan_layers=False), seq, batch)
+            specs[f"olmo3eqx ({first}, unrolled)"] = (
+                {"kind": "jax", "overrides": {"attention_impl": first, "scan_layers": False}}, ours_env)
+        if args.page_contrast:
+            specs[f"olmo3eqx ({first}, default malloc)"] = ({"kind": "jax", "overrides": {"attention_impl": first}},
+                                                        default_env)
         if not args.no_torch:
-            contenders["transformers+torch"] = TorchContender(model, seq, batch)
-        rates = measure(contenders, seq * batch, args.steps, args.repeats)
+            specs["transformers+torch"] = ({"kind": "torch"}, default_env)
+        workers: dict[str, Worker] = {}
+        try:
+            for cname, (spec, env) in specs.items():
+                print(f"{name}: starting {cname}", flush=True)
+                workers[cname] = Worker({**spec, "config": name}, env)
+            rates = measure(workers, seq * batch, args.steps, args.repeats)
+        finally:
+            for w in workers.values():
+                w.close()
         per_token = flops.train_flops_per_token(model, seq)
         for cname, r in rates.items():
             results[f"{name}/{cname}"] = {"tokens_per_s": r, "median": common.median(r), "flops_per_token": per_token,
                                           "seq_len": seq, "batch": batch, "params": flops.param_count(model),
-                                          "init_s": contenders[cname].init_s, "compile_s": contenders[cname].compile_s}
-        del contenders
+                                          "init_s": workers[cname].init_s, "compile_s": workers[cname].compile_s,
+                                          "env": {"GLIBC_TUNABLES": specs[cname][1].get("GLIBC_TUNABLES")}}
     peak_after = flops.cpu_peak_flops(refresh=True)
     peak = max(peak, peak_after)  # a peak is an upper bound: load only lowers a measurement
     load_after = os.getloadavg()
@@ -149,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                      "vs_torch": f"{med / torch_r['median']:.2f}x" if torch_r else "",
                      "gflops": f"{med * r['flops_per_token'] / 1e9:.1f}", "mfu": f"{100 * r['mfu']:.1f}%",
                      "compile_s": f"{r['compile_s']:.1f}" if cname.startswith("olmo3eqx") else ""})
-    path = common.write_json("step.json", {"peak_flops": peak, "ceiling_tokens_per_s": ceilings,
+    path = common.write_json("step.json", {"peak_flops": peak, "olmo3eqx_pages": pages, "ceiling_tokens_per_s": ceilings,
                                            "load_before": load_before, "load_after": load_after,
                                            "steps_per_repeat": args.steps, "repeats": args.repeats,
                                            "results": results})
