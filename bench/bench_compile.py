@@ -1,7 +1,7 @@
 """Compile time of the train step against depth: 4, 16 and 32 layers of the tiny config's width, with the scan over
 OLMo 3's 4-layer period (model.scan_layers, the default) and, for contrast, unrolled.
 
-    python bench/bench_compile.py [--depths 4,16,32] [--unrolled-depths 4,16] [--remat none|full|dots|dots_no_batch]
+    python bench/bench_compile.py [--depths 4,16,32] [--unrolled-depths 4,16] [--remat dots|full|none|dots_no_batch]
 
 Times tracing+lowering and XLA compilation of the jitted step separately (abstract inputs: nothing is run), each
 depth in a fresh subprocess so no cache is shared; prints a table last and writes bench/results/compile.json.
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="4,16,32")
     ap.add_argument("--unrolled-depths", default="4,16")
     ap.add_argument("--repeats", type=int, default=2, help="fresh processes per point; the fastest is reported")
-    ap.add_argument("--remat", default="none", help="model.remat: none (tiny's) or full (the 7B recipe's), ...")
+    ap.add_argument("--remat", default="dots", help="model.remat: dots (the default), full (the 7B recipe's), none, ...")
     args = ap.parse_args(argv)
     common.clean_xla_flags()
     load_before = os.getloadavg()
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"depth": depth, "mode": mode, "lower": f"{b['lower_s']:.1f}", "compile": f"{b['compile_s']:.1f}",
                      "total": f"{total:.1f}", "ratio": f"{total / base_total:.2f}x"})
     load_after = os.getloadavg()
-    name = "compile.json" if args.remat == "none" else f"compile_remat_{args.remat}.json"
+    name = "compile.json" if args.remat == "dots" else f"compile_remat_{args.remat}.json"
     path = common.write_json(name, {"remat": args.remat, "results": results, "load_before": load_before,
                                               "load_after": load_after})
     print(f"\ntrain step of configs/tiny.yaml's width (seq 256, batch 16), remat {args.remat}, at several depths; "
