@@ -2,10 +2,7 @@
 
 import sys
 
+from olmo3eqx.train import main
+
 if __name__ == "__main__":
-    from olmo3eqx.hostmem import reexec_with_huge_pages
-
-    reexec_with_huge_pages()  # once, before jax is imported (see olmo3eqx/hostmem.py)
-    from olmo3eqx.train import main
-
     sys.exit(main())

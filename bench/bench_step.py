@@ -2,15 +2,17 @@
 same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
-                               [--page-contrast]
+                               [--huge-pages]
 
-Each contender runs in its own worker process, in the environment its users get: olmo3eqx with the glibc malloc
-tunables `train.py` sets up (olmo3eqx/hostmem.py), torch as it starts by default (huge pages made it slower).
-`--page-contrast` adds olmo3eqx without the tunables. The ceiling printed per config is the tokens/s at 100% MFU (the
+Each contender runs in its own worker process (its own heap and allocator state; the others wait, idle).
+`--huge-pages` adds olmo3eqx with GLIBC_TUNABLES=glibc.malloc.hugetlb=1: XLA's CPU runtime mallocs each step's
+temporary buffer (GiBs) and frees it after the step, so every step faults it in again from the kernel; huge pages
+make that cheaper where free 2 MiB pages are at hand and dearer where the kernel must compact memory to find them
+(README "Performance"). The ceiling printed per config is the tokens/s at 100% MFU (the
 measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
-another process hits all of them alike; the others wait, idle) after a warm-up; tokens/s is the median over
+another process hits all of them alike) after a warm-up; tokens/s is the median over
 repeats. The table is printed last and bench/results/step.json written. Do not run it with the test suite's
 XLA_FLAGS.
 """
@@ -32,7 +34,7 @@ import common
 if __name__ == "__main__":
     common.clean_xla_flags()  # before jax initialises
 
-from olmo3eqx import flops, hostmem
+from olmo3eqx import flops
 from olmo3eqx.config import ModelConfig, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,13 +151,13 @@ class Worker:
             self.proc.wait()
 
 
-def contender_envs() -> tuple[dict[str, str], dict[str, str], str]:
-    """(olmo3eqx's environment as train.py sets it up, torch's default one, what the first adds)."""
-    value = hostmem.tunables(os.environ, mode=hostmem.thp_mode(), glibc=hostmem.glibc_version(),
-                             accelerator=hostmem.has_accelerator(os.environ))
-    if value is None:
-        return dict(os.environ), dict(os.environ), "the environment as it is (hostmem adds nothing here)"
-    return {**os.environ, "GLIBC_TUNABLES": value}, dict(os.environ), f"GLIBC_TUNABLES={value}"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
+    """`env` with glibc's transparent-huge-page tunable appended to GLIBC_TUNABLES (glibc >= 2.35)."""
+    current = env.get("GLIBC_TUNABLES", "")
+    return {**env, "GLIBC_TUNABLES": f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES}
 
 
 def measure(workers: dict[str, Worker], tokens_per_step: int, steps: int, repeats: int) -> dict[str, list[float]]:
@@ -176,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--page-contrast", action="store_true",
-                    help="also time olmo3eqx without train.py's malloc tunables (olmo3eqx/hostmem.py)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help=f"also time olmo3eqx with GLIBC_TUNABLES={HUGE_PAGES} (transparent huge pages for malloc)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -185,29 +187,28 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     peak = flops.cpu_peak_flops(refresh=True)
-    ours_env, default_env, pages = contender_envs()
-    print(f"olmo3eqx contenders run with {pages}; torch and the default-malloc contrast without")
     configs = bench_configs()
+    env = dict(os.environ)
     rows, results = [], {}
     for name in args.configs.split(","):
         model, seq, batch = configs[name]
         specs = {}  # contender -> (spec, env)
         for impl in args.attention.split(","):
-            specs[f"olmo3eqx ({impl})"] = ({"kind": "jax", "overrides": {"attention_impl": impl}}, ours_env)
+            specs[f"olmo3eqx ({impl})"] = ({"kind": "jax", "overrides": {"attention_impl": impl}}, env)
         first = args.attention.split(",")[0]
         if args.unrolled:
             specs[f"olmo3eqx ({first}, unrolled)"] = (
-                {"kind": "jax", "overrides": {"attention_impl": first, "scan_layers": False}}, ours_env)
-        if args.page_contrast:
-            specs[f"olmo3eqx ({first}, default malloc)"] = ({"kind": "jax", "overrides": {"attention_impl": first}},
-                                                        default_env)
+                {"kind": "jax", "overrides": {"attention_impl": first, "scan_layers": False}}, env)
+        if args.huge_pages:
+            specs[f"olmo3eqx ({first}, huge pages)"] = ({"kind": "jax", "overrides": {"attention_impl": first}},
+                                                       with_huge_pages(env))
         if not args.no_torch:
-            specs["transformers+torch"] = ({"kind": "torch"}, default_env)
+            specs["transformers+torch"] = ({"kind": "torch"}, env)
         workers: dict[str, Worker] = {}
         try:
-            for cname, (spec, env) in specs.items():
+            for cname, (spec, worker_env) in specs.items():
                 print(f"{name}: starting {cname}", flush=True)
-                workers[cname] = Worker({**spec, "config": name}, env)
+                workers[cname] = Worker({**spec, "config": name}, worker_env)
             rates = measure(workers, seq * batch, args.steps, args.repeats)
         finally:
             for w in workers.values():
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                      "vs_torch": f"{med / torch_r['median']:.2f}x" if torch_r else "",
                      "gflops": f"{med * r['flops_per_token'] / 1e9:.1f}", "mfu": f"{100 * r['mfu']:.1f}%",
                      "compile_s": f"{r['compile_s']:.1f}" if cname.startswith("olmo3eqx") else ""})
-    path = common.write_json("step.json", {"peak_flops": peak, "olmo3eqx_pages": pages, "ceiling_tokens_per_s": ceilings,
+    path = common.write_json("step.json", {"peak_flops": peak,  "ceiling_tokens_per_s": ceilings,
                                            "load_before": load_before, "load_after": load_after,
                                            "steps_per_repeat": args.steps, "repeats": args.repeats,
                                            "results": results})

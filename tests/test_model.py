@@ -132,9 +132,10 @@ def loss_and_grads(model: OLMo3, tokens):
     return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1).mean()
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
 def test_remat_same_logits_and_gradients(policy):
-    cfg = tiny(layer_types=(SLIDING, SLIDING))  # a scan over 2 layers: remat inside the scan body
+    # 3 layers of period 1: a scan (more than MAX_UNROLLED_GROUPS repeats), so remat acts inside the scan body
+    cfg = tiny(num_hidden_layers=3, layer_types=(SLIDING,) * 3, remat="none")
     model = make(cfg, 4)
     tokens = jax.random.randint(jax.random.key(5), (SEQ + 1,), 0, cfg.vocab_size)
     remat = dataclasses.replace(model, cfg=dataclasses.replace(cfg, remat=policy))

@@ -71,7 +71,7 @@ class ModelConfig:
     remat: str = "dots"
     """Per-block rematerialisation: none (save every intermediate), full (save only the block input), dots (save
     matmul outputs, recompute the elementwise work between them), dots_no_batch (also recompute attention's
-    batched matmuls). dots is the default: in a layer scan, none stacks ~50 arrays per layer and ran 1.3-1.9x slower
+    batched matmuls). dots is the default: in a layer scan, none stacks ~50 arrays per layer and ran 1.2-1.9x slower
     on the 2-core CPU (README "Performance"); unrolled, the two ran alike."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats more than twice

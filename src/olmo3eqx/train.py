@@ -387,7 +387,4 @@ class MemorisationWatch:
 
 
 if __name__ == "__main__":
-    from olmo3eqx.hostmem import reexec_with_huge_pages
-
-    reexec_with_huge_pages()
     sys.exit(main())
