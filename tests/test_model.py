@@ -102,11 +102,14 @@ def uses_scan(model, tokens) -> bool:
     return "scan" in str(jax.make_jaxpr(lambda m, t: m.hidden(t))(model, tokens))
 
 
-def test_scan_only_when_the_period_repeats_more_than_twice():
+def test_scan_when_the_period_repeats_often_enough_for_the_remat_policy():
     tokens = jnp.zeros((SEQ,), jnp.int32)
-    assert MAX_UNROLLED_GROUPS == 2
-    assert not uses_scan(make(tiny(num_hidden_layers=8, layer_types=None), 0), tokens)  # 2 periods: unrolled
-    assert uses_scan(make(tiny(num_hidden_layers=12, layer_types=None), 0), tokens)  # 3 periods: scanned
+    assert MAX_UNROLLED_GROUPS == {"none": 2}
+    assert not uses_scan(make(tiny(num_hidden_layers=4, layer_types=None), 0), tokens)  # 1 period: unrolled
+    assert uses_scan(make(tiny(num_hidden_layers=8, layer_types=None), 0), tokens)  # 2 periods, dots: scanned
+    assert uses_scan(make(tiny(num_hidden_layers=8, layer_types=None, remat="full"), 0), tokens)
+    assert not uses_scan(make(tiny(num_hidden_layers=8, layer_types=None, remat="none"), 0), tokens)
+    assert uses_scan(make(tiny(num_hidden_layers=12, layer_types=None, remat="none"), 0), tokens)  # 3 periods
     assert not uses_scan(make(tiny(num_hidden_layers=12, layer_types=None, scan_layers=False), 0), tokens)
 
 
@@ -134,7 +137,8 @@ def loss_and_grads(model: OLMo3, tokens):
 
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
 def test_remat_same_logits_and_gradients(policy):
-    # 3 layers of period 1: a scan (more than MAX_UNROLLED_GROUPS repeats), so remat acts inside the scan body
+    # 3 layers of period 1: a scan even with the baseline's remat none (MAX_UNROLLED_GROUPS), so remat acts
+    # inside the scan body
     cfg = tiny(num_hidden_layers=3, layer_types=(SLIDING,) * 3, remat="none")
     model = make(cfg, 4)
     tokens = jax.random.randint(jax.random.key(5), (SEQ + 1,), 0, cfg.vocab_size)

@@ -74,8 +74,8 @@ class ModelConfig:
     batched matmuls). dots is the default: in a layer scan, none stacks ~50 arrays per layer and ran 1.2-1.9x slower
     on the 2-core CPU (README "Performance"); unrolled, the two ran alike."""
     scan_layers: bool = True
-    """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats more than twice
-    (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
+    """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats: more than once,
+    more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: Literal["auto", "xla", "cudnn", "blocked"] = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
     (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band);

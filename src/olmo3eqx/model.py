@@ -5,8 +5,8 @@ which the train step uses: every projection then runs as one [(batch seq), d] ma
 backend runs without the transposed copies a vmapped [batch, seq, d] contraction costs (~20% of a tiny step).
 Linear weights are stored [in, out]. Layers are stacked along a leading axis of every block leaf and run
 as a `lax.scan` over the repeating period of `layer_types` (OLMo 3: 3 sliding + 1 global), so compile
-time does not grow with depth; a pattern with no period shorter than the depth, or one that repeats at most
-MAX_UNROLLED_GROUPS times, runs as a Python loop.
+time does not grow with depth; a pattern with no period shorter than the depth, or one that repeats too few
+times for a scan to pay (MAX_UNROLLED_GROUPS), runs as a Python loop.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from olmo3eqx.config import SLIDING, ModelConfig
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-MAX_UNROLLED_GROUPS = 2
-"""A pattern that repeats at most this many times is unrolled even with scan_layers: measured on the 2-core CPU at
-8 layers (2 periods), the unrolled step compiled faster (8.0 s vs 11.5 s, bench_compile.py) and ran 10-20% faster
-(bench_step.py --unrolled) than the scan, whose per-layer residual stacking costs more than it saves there."""
+MAX_UNROLLED_GROUPS = {"none": 2}
+"""Per remat policy, a pattern that repeats at most this many times is unrolled even with scan_layers (1 for policies
+not listed: any repeat scans). With remat none, which stacks ~50 residuals per layer in a scan, the unrolled step at
+8 layers (2 periods) compiled faster (8.0 s vs 11.5 s, bench_compile.py) and ran 10-20% faster on the 2-core CPU.
+With dots, which saves only the matmul outputs, the 2-period scan ran faster than the unrolled layers (bench_step's
+small config: 311-316 vs 263-273 tok/s in two interleaved A/B runs) and compiled faster (10.4 s vs 11.7 s)."""
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -204,7 +206,7 @@ class OLMo3(eqx.Module):
         x = model.embed[tokens]
         types = cfg.resolved_layer_types
         period = layer_period(types) if cfg.scan_layers else cfg.num_hidden_layers
-        if cfg.num_hidden_layers // period <= MAX_UNROLLED_GROUPS:
+        if cfg.num_hidden_layers // period <= MAX_UNROLLED_GROUPS.get(cfg.remat, 1):
             period = cfg.num_hidden_layers  # too few repeats for a scan to pay (see MAX_UNROLLED_GROUPS)
         groups = cfg.num_hidden_layers // period
         sliding = tuple(t == SLIDING for t in types[:period])
