@@ -8,13 +8,12 @@ Each contender runs in its own worker process (its own heap and allocator state;
 `--huge-pages` adds olmo3eqx with GLIBC_TUNABLES=glibc.malloc.hugetlb=1: XLA's CPU runtime mallocs each step's
 temporary buffer (GiBs) and frees it after the step, so every step faults it in again from the kernel; huge pages
 make that cheaper where free 2 MiB pages are at hand and dearer where the kernel must compact memory to find them
-(README "Performance"). The ceiling printed per config is the tokens/s at 100% MFU (the
-measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
+(README "Performance"). The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over
+the FLOPs per token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
-another process hits all of them alike) after a warm-up; tokens/s is the median over
-repeats. The table is printed last and bench/results/step.json written. Do not run it with the test suite's
-XLA_FLAGS.
+another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
+printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's XLA_FLAGS.
 """
 
 from __future__ import annotations
@@ -180,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--huge-pages", action="store_true",
                     help=f"also time olmo3eqx with GLIBC_TUNABLES={HUGE_PAGES} (transparent huge pages for malloc)")
+    ap.add_argument("--json", help="where to write the results (default bench/results/step.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                      "vs_torch": f"{med / torch_r['median']:.2f}x" if torch_r else "",
                      "gflops": f"{med * r['flops_per_token'] / 1e9:.1f}", "mfu": f"{100 * r['mfu']:.1f}%",
                      "compile_s": f"{r['compile_s']:.1f}" if cname.startswith("olmo3eqx") else ""})
-    path = common.write_json("step.json", {"peak_flops": peak,  "ceiling_tokens_per_s": ceilings,
+    path = common.write_json(args.json or "step.json", {"peak_flops": peak, "ceiling_tokens_per_s": ceilings,
                                            "load_before": load_before, "load_after": load_after,
                                            "steps_per_repeat": args.steps, "repeats": args.repeats,
                                            "results": results})

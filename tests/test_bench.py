@@ -38,3 +38,22 @@ def test_gpu_script_runs_every_variant_at_tiny_size(gpu_module, tmp_path, capsys
     assert narrow["model"]["num_attention_heads"] == 2 * wide["model"]["num_attention_heads"]
     assert narrow["flops_per_token"] == pytest.approx(wide["flops_per_token"])
     assert "MFU" in table and sys.modules["gpu"] is gpu_module
+
+
+def test_step_bench_times_each_contender_in_its_own_worker(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+
+    monkeypatch.setattr(bench_step.flops, "cpu_peak_flops", lambda refresh=False: 1e11)  # no 2048^3 matmul, no cache
+    out = tmp_path / "step.json"
+    argv = ["--configs", "tiny", "--no-torch", "--huge-pages", "--repeats", "1", "--steps", "1", "--json", str(out)]
+    assert bench_step.main(argv) == 0
+    table = capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, huge pages)"}
+    for r in results.values():
+        assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s"][0] > 0 and r["compile_s"] > 0
+    # the huge-page contender, and only it, ran under the tunable (a worker process of its own)
+    assert results["tiny/olmo3eqx (auto, huge pages)"]["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
+    assert "hugetlb" not in (results["tiny/olmo3eqx (auto)"]["env"]["GLIBC_TUNABLES"] or "")
+    assert "olmo3eqx (auto, huge pages)" in table and "ceiling at 100% MFU" in table
