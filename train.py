@@ -2,7 +2,10 @@
 
 import sys
 
-from olmo3eqx.train import main
-
 if __name__ == "__main__":
+    from olmo3eqx.hostmem import reexec_with_caching_malloc
+
+    reexec_with_caching_malloc()  # on CPU hosts, once, before jax is imported (see olmo3eqx/hostmem.py)
+    from olmo3eqx.train import main
+
     sys.exit(main())

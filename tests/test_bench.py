@@ -1,8 +1,10 @@
-"""The GPU benchmark script runs end to end at toy sizes on CPU (so it is ready when a GPU is lent). No timing is
-asserted; the test checks that every variant ran and the table and JSON came out."""
+"""The benchmark scripts run end to end at toy sizes on CPU (the GPU one so it is ready when a GPU is lent), and
+bench_step picks its contenders and its torch baseline as documented. No timing is asserted; the tests check that
+every variant ran and the table and JSON came out."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -46,14 +48,43 @@ def test_step_bench_times_each_contender_in_its_own_worker(monkeypatch, tmp_path
 
     monkeypatch.setattr(bench_step.flops, "cpu_peak_flops", lambda refresh=False: 1e11)  # no 2048^3 matmul, no cache
     out = tmp_path / "step.json"
-    argv = ["--configs", "tiny", "--no-torch", "--huge-pages", "--repeats", "1", "--steps", "1", "--json", str(out)]
+    argv = ["--configs", "tiny", "--no-torch", "--malloc", "glibc,hugetlb", "--repeats", "1", "--steps", "1",
+            "--json", str(out)]
     assert bench_step.main(argv) == 0
     table = capsys.readouterr().out
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, huge pages)"}
+    assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, hugetlb)"}
     for r in results.values():
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s"][0] > 0 and r["compile_s"] > 0
     # the huge-page contender, and only it, ran under the tunable (a worker process of its own)
-    assert results["tiny/olmo3eqx (auto, huge pages)"]["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
+    assert results["tiny/olmo3eqx (auto, hugetlb)"]["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
     assert "hugetlb" not in (results["tiny/olmo3eqx (auto)"]["env"]["GLIBC_TUNABLES"] or "")
-    assert "olmo3eqx (auto, huge pages)" in table and "ceiling at 100% MFU" in table
+    assert "olmo3eqx (auto, hugetlb)" in table and "ceiling at 100% MFU" in table
+
+
+def test_step_bench_times_ours_and_torch_under_every_allocator_and_leaves_out_what_is_missing(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+
+    monkeypatch.setattr(bench_step.hostmem, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(bench_step.ctypes.util, "find_library", lambda name: None)  # no jemalloc here
+    args = argparse.Namespace(
+        malloc="glibc,tcmalloc,jemalloc", attention="auto", unrolled=False, no_torch=False)
+    specs = bench_step.contender_specs(args, {"LD_PRELOAD": "/opt/libother.so"})
+    assert list(specs) == ["olmo3eqx (auto)", "transformers+torch", "olmo3eqx (auto, tcmalloc)",
+                           "transformers+torch (tcmalloc)"]
+    assert "--malloc jemalloc: not installed here" in capsys.readouterr().out
+    assert specs["olmo3eqx (auto)"][1]["LD_PRELOAD"] == "/opt/libother.so"
+    for name in ("olmo3eqx (auto, tcmalloc)", "transformers+torch (tcmalloc)"):
+        assert specs[name][1]["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:/opt/libother.so"
+
+
+def test_step_bench_compares_with_the_fastest_torch_contender(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+
+    results = {"tiny/olmo3eqx (auto)": {"median": 9.0}, "tiny/transformers+torch": {"median": 5.0},
+               "tiny/transformers+torch (tcmalloc)": {"median": 6.0}, "small/transformers+torch": {"median": 1.0}}
+    best = bench_step.fastest_torch(results)
+    assert best["tiny"]["contender"] == "transformers+torch (tcmalloc)" and best["tiny"]["median"] == 6.0
+    assert best["small"]["contender"] == "transformers+torch"

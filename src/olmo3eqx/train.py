@@ -218,9 +218,10 @@ def train(cfg) -> int:
         dump_yaml(cfg, run_dir / "config.yaml")
     log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
     say = log.print if primary else (lambda m: None)
-    from olmo3eqx import distributed
+    from olmo3eqx import distributed, hostmem
 
     say(distributed.describe())
+    say(hostmem.describe())
 
     mesh = make_mesh(cfg.mesh)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
@@ -387,4 +388,7 @@ class MemorisationWatch:
 
 
 if __name__ == "__main__":
+    from olmo3eqx.hostmem import reexec_with_caching_malloc
+
+    reexec_with_caching_malloc()  # as train.py does (olmo3eqx/hostmem.py); jax is not imported yet
     sys.exit(main())
