@@ -157,8 +157,6 @@ class Worker:
 
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
-JEMALLOC_CONF = "oversize_threshold:0"
-"""jemalloc 5 serves blocks over 8 MiB from an arena that purges them at once, the glibc behaviour we avoid."""
 
 
 def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
@@ -178,7 +176,7 @@ def malloc_env(name: str, env: dict[str, str]) -> dict[str, str] | None:
         return hostmem.preload_env(env, library) if library else None
     if name == "jemalloc":
         library = ctypes.util.find_library("jemalloc")
-        return {**hostmem.preload_env(env, library), "MALLOC_CONF": JEMALLOC_CONF} if library else None
+        return hostmem.preload_env(env, library) if library else None
     raise SystemExit(f"error: --malloc {name!r}: choose from glibc, tcmalloc, jemalloc, hugetlb")
 
 

@@ -59,6 +59,10 @@ def test_preload_env_goes_first_keeps_the_users_preloads_and_settings():
     assert int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40  # no report per step of XLA's temp buffer
     mine = hostmem.preload_env({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}, TC)
     assert mine["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5" and mine["LD_PRELOAD"] == TC
+    assert "MALLOC_CONF" not in mine
+    # jemalloc caches blocks over 8 MiB only when told to (else XLA's temporary buffer is purged every step)
+    assert hostmem.preload_env({}, "/usr/lib/libjemalloc.so.2")["MALLOC_CONF"] == "oversize_threshold:0"
+    assert hostmem.preload_env({"MALLOC_CONF": "narenas:2"}, "libjemalloc.so.2")["MALLOC_CONF"] == "narenas:2"
 
 
 def test_loaded_allocator_reads_the_process_maps(tmp_path):

@@ -5,13 +5,15 @@ Why: XLA's CPU runtime mallocs each step's temporary buffer (686 MiB for the tin
 `munmap` on `free` (its mmap threshold tops out at 32 MiB), so every step faults the whole buffer in again, 4 KiB
 at a time, and the kernel zeroes every page: 185,000 faults and 0.29 s of kernel time in a 0.52 s tiny step on
 the project's 2-core CPU. tcmalloc keeps freed spans and hands the same pages to the next step: no faults, the
-tiny step 1.45x and the small one 1.2x faster, losses bit-identical; the price is peak RSS, which keeps one more
-temporary buffer (tiny 1.3 -> 2.0 GiB, small 3.4 -> 5.1 GiB). Numbers and commands: README "Performance".
+tiny step 0.52 -> 0.35 s and the small one 2.37 -> 1.96 s, losses bit-identical; the price is RSS, which keeps
+about one more temporary buffer (peak RSS: tiny 1.3 -> 2.0 GiB, small 3.3 -> 4.9 GiB). Numbers and commands:
+README "Performance".
 
 The allocator of a process is fixed when it starts, hence the re-exec (same PID, same arguments, LD_PRELOAD
 added). It happens only where it helps: Linux, no accelerator (there the step's buffers live on the device), no
 caching malloc loaded already, tcmalloc installed (Debian/Ubuntu: `apt install libtcmalloc-minimal4`), and not
-OLMO3EQX_MALLOC=system. OLMO3EQX_MALLOC=/path/to/lib.so preloads that library instead (jemalloc, say).
+OLMO3EQX_MALLOC=system. OLMO3EQX_MALLOC=/path/to/lib.so preloads that library instead (jemalloc, say, which is
+then told to cache large blocks too: JEMALLOC_CONF).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ CACHING = ("libtcmalloc", "libjemalloc", "libmimalloc")
 """File-name prefixes of caching allocators: one of these mapped into a process means it has one already."""
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 """tcmalloc reports every allocation over 1 GiB on stderr by default; XLA's temporary buffer is one every step."""
+JEMALLOC_CONF = {"MALLOC_CONF": "oversize_threshold:0"}
+"""jemalloc 5 serves blocks over 8 MiB from an arena that purges them at once, which is glibc's behaviour again (no
+gain measured: tiny 7,100-7,400 tok/s vs 7,800 under glibc); with this setting it caches them too (11,200)."""
 ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 """Device files of NVIDIA GPUs, AMD GPUs and TPUs (accel on v4/v5e, vfio on v5p/v6e)."""
 
@@ -68,10 +73,11 @@ def find_tcmalloc() -> str | None:
 
 
 def preload_env(env: Mapping[str, str], library: str) -> dict[str, str]:
-    """`env` with `library` first in LD_PRELOAD (tcmalloc's large-allocation reports silenced)."""
+    """`env` with `library` first in LD_PRELOAD, set up to cache large blocks (jemalloc) and not to report them
+    (tcmalloc); settings already in `env` win."""
     current = env.get("LD_PRELOAD", "")
-    quiet = {k: v for k, v in QUIET.items() if k not in env}
-    return {**env, **quiet, "LD_PRELOAD": f"{library}:{current}" if current else library}
+    settings = {**QUIET, **(JEMALLOC_CONF if "jemalloc" in Path(library).name else {})}
+    return {**settings, **env, "LD_PRELOAD": f"{library}:{current}" if current else library}
 
 
 def plan(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmalloc: str | None,
