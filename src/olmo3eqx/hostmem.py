@@ -101,7 +101,7 @@ def plan(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmal
         return choice, f"host malloc: {choice} ({CHOICE})"
     if tcmalloc is None:
         return None, ("host malloc: the C library's, which re-faults XLA's temporary buffer every CPU step; "
-                      "install tcmalloc (`apt install libtcmalloc-minimal4`) for 1.2-1.45x faster CPU steps "
+                      "install tcmalloc (`apt install libtcmalloc-minimal4`) for 1.2-1.5x faster CPU steps "
                       "(README \"Performance\")")
     return tcmalloc, f"host malloc: {tcmalloc}"
 
