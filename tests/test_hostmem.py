@@ -29,8 +29,8 @@ def test_cpu_linux_host_with_tcmalloc_installed_reexecutes_with_it():
 @pytest.mark.parametrize("kwargs, says", [
     ({"loaded": "/usr/lib/libjemalloc.so.2"}, "libjemalloc.so.2"),  # a caching malloc is there already
     ({"env": {hostmem.CHOICE: "system"}}, "system"),  # the user's opt-out
-    ({"accelerator": True}, "accelerator"),  # the step's buffers live on the device
-    ({"platform": "darwin"}, "off Linux"),
+    ({"accelerator": True}, "accelerator is present"),  # the step's buffers live on the device
+    ({"platform": "darwin"}, "off Linux: darwin"),
     ({"tcmalloc": None}, "apt install libtcmalloc-minimal4"),  # not installed: say how to get it
     ({"env": {hostmem.REEXECED: "1", "LD_PRELOAD": "libtcmalloc_minimal.so.4"}}, "did not preload"),  # never loops
 ])
@@ -49,7 +49,7 @@ def test_a_library_named_by_the_user_is_preloaded_and_a_wrong_name_stops_with_th
     lib = tmp_path / "libmymalloc.so"
     lib.write_bytes(b"")
     assert plan({hostmem.CHOICE: str(lib)})[0] == str(lib)
-    with pytest.raises(SystemExit, match="neither 'system' nor an existing shared library"):
+    with pytest.raises(hostmem.MallocChoiceError, match="neither 'system' nor an existing shared library"):
         plan({hostmem.CHOICE: str(tmp_path / "missing.so")})
 
 
@@ -113,3 +113,11 @@ def test_real_reexec_keeps_pid_and_arguments_and_maps_tcmalloc(tmp_path):
     assert seen["line"].endswith("(preloaded by train.py)")
     declined, _ = run_script(tmp_path, **{hostmem.CHOICE: "system"})
     assert declined["loaded"] is None and "system" in declined["line"]
+
+
+def test_a_wrong_malloc_choice_stops_train_py_before_any_work_with_exit_code_2(tmp_path):
+    env = {**os.environ, hostmem.CHOICE: str(tmp_path / "libnothere.so")}
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "--run.dir", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "libnothere.so" in p.stderr and "neither 'system'" in p.stderr
+    assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())  # nothing built, nothing written

@@ -42,6 +42,10 @@ ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/
 """Device files of NVIDIA GPUs, AMD GPUs and TPUs (accel on v4/v5e, vfio on v5p/v6e)."""
 
 
+class MallocChoiceError(ValueError):
+    """OLMO3EQX_MALLOC names nothing usable."""
+
+
 def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str | None:
     """Path of the caching allocator mapped into this process, None when there is none (or no /proc)."""
     try:
@@ -92,12 +96,14 @@ def plan(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmal
     if env.get(REEXECED):
         return None, (f"host malloc: the C library's; the dynamic linker did not preload {env.get('LD_PRELOAD')!r} "
                       f"(check {CHOICE})")
-    if not platform.startswith("linux") or accelerator:
-        return None, "host malloc: the C library's (the step runs on an accelerator or off Linux)"
+    if not platform.startswith("linux"):
+        return None, f"host malloc: the C library's (no preload off Linux: {platform})"
+    if accelerator:
+        return None, "host malloc: the C library's (an accelerator is present: the step's buffers live on it)"
     if choice:
         if not Path(choice).is_file():
-            raise SystemExit(f"error: {CHOICE}={choice!r} is neither 'system' nor an existing shared library; "
-                             f"unset it to use tcmalloc when installed.")
+            raise MallocChoiceError(f"{CHOICE}={choice!r} is neither 'system' nor an existing shared library; "
+                                    f"unset it to use tcmalloc when installed.")
         return choice, f"host malloc: {choice} ({CHOICE})"
     if tcmalloc is None:
         return None, ("host malloc: the C library's, which re-faults XLA's temporary buffer every CPU step; "
@@ -119,8 +125,12 @@ def describe() -> str:
 def reexec_with_caching_malloc() -> None:
     """Replace this process by itself with a caching malloc preloaded (see the module doc); return if there is
     nothing to do. Call first thing in a script's `__main__` block, before jax is imported, never from library
-    code: the exec replaces the whole process."""
-    library, _ = _plan_here()
+    code: the exec replaces the whole process. A bad OLMO3EQX_MALLOC stops here with exit code 2 (bad input)."""
+    try:
+        library, _ = _plan_here()
+    except MallocChoiceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if library is None:
         return
     env = {**preload_env(os.environ, library), REEXECED: "1"}
