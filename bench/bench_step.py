@@ -11,9 +11,9 @@ library's malloc), `tcmalloc` (preloaded, as `python train.py` does on CPU hosts
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge pages). The default is glibc and tcmalloc; a preloaded
 allocator that is not installed is left out with a note. Why it matters: XLA's CPU runtime mallocs each step's
 temporary buffer (GiBs) and frees it after the step, and glibc returns a block that large to the kernel, so every
-step faults it in again (README "Performance"). The `vs torch` column compares with the fastest torch contender.
-The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over the FLOPs per token): no
-implementation can pass it without skipping work.
+step faults it in again (README "Performance"). The `vs fastest torch` column compares with the fastest torch
+contender. The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over the FLOPs per
+token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is

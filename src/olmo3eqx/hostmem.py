@@ -53,9 +53,9 @@ def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str | None:
     except OSError:
         return None
     for line in lines:
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if Path(path).name.startswith(CACHING):
-            return path
+        fields = line.split()  # address perms offset dev inode [path]
+        if len(fields) >= 6 and Path(fields[5]).name.startswith(CACHING):
+            return fields[5]
     return None
 
 
