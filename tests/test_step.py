@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3eqx import optim, step as step_lib
+from olmo3eqx import loss as loss_lib, optim, step as step_lib
 from olmo3eqx.checkpoint import is_leaf_like
 from olmo3eqx.config import MeshConfig, ModelConfig, OptimConfig, TrainConfig, DataConfig
 from olmo3eqx.sharding import make_mesh, partition_spec, plan_batch
@@ -112,17 +112,18 @@ def reference_loss(model, tokens, mask, z_coef):
     return ce.sum() / n, z.sum() / n
 
 
-@pytest.mark.parametrize("budget", [step_lib.LOGITS_BUDGET, 4 * 128])
+@pytest.mark.parametrize("budget", [loss_lib.LOGITS_BUDGET, 4 * 128])
 def test_loss_matches_numpy_and_chunking_and_masking(monkeypatch, budget):
-    monkeypatch.setattr(step_lib, "LOGITS_BUDGET", budget)  # 4*128: chunks of 1 position for batch 4
+    monkeypatch.setattr(loss_lib, "LOGITS_BUDGET", budget)  # 4*128: chunks of 1 position for batch 4
     cfg = make_cfg()
     model = step_lib.init_state(cfg, optim.make_optimizer(cfg.optim, 10), jax.random.PRNGKey(0)).model
     tokens, _ = batch(3)
     tokens = tokens[:4]
     mask = np.array([1, 0, 1, 1], np.float32)
-    if budget != step_lib.LOGITS_BUDGET:
-        assert step_lib.loss_chunk(4, SEQ, MODEL.vocab_size) == 1
-    ce_sum, z_sum = jax.jit(step_lib.loss_sums, static_argnums=3)(model, jnp.asarray(tokens), jnp.asarray(mask), 1e-2)
+    if budget != loss_lib.LOGITS_BUDGET:
+        assert loss_lib.loss_chunk(4, SEQ, MODEL.vocab_size) == 1
+    weights = loss_lib.label_weights(jnp.asarray(tokens), jnp.asarray(mask))
+    ce_sum, z_sum = jax.jit(loss_lib.loss_sums, static_argnums=3)(model, jnp.asarray(tokens), weights, 1e-2)
     n = mask.sum() * (SEQ - 1)
     ce_ref, z_ref = reference_loss(model, tokens, mask, 1e-2)
     np.testing.assert_allclose(float(ce_sum) / n, ce_ref, rtol=1e-5)
@@ -130,7 +131,7 @@ def test_loss_matches_numpy_and_chunking_and_masking(monkeypatch, budget):
     # The masked instance has no influence: changing its tokens leaves the loss unchanged.
     tokens2 = tokens.copy()
     tokens2[1] = (tokens2[1] + 7) % MODEL.vocab_size
-    ce2, _ = step_lib.loss_sums(model, jnp.asarray(tokens2), jnp.asarray(mask), 1e-2)
+    ce2, _ = loss_lib.loss_sums(model, jnp.asarray(tokens2), weights, 1e-2)
     assert float(ce2) == pytest.approx(float(ce_sum), rel=1e-6)
 
 

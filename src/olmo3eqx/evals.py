@@ -44,7 +44,7 @@ from olmo3eqx.data.prepare import _encode, tokenizer_info
 from olmo3eqx.data.source import DataError, TokenSource, _check_ids, _file_dtype, expand_paths
 from olmo3eqx.model import OLMo3
 from olmo3eqx.sharding import batch_sharding
-from olmo3eqx.step import loss_chunk, map_sequence_chunks, token_losses
+from olmo3eqx.loss import loss_sums, token_logprobs
 
 DEFAULT_SET = "heldout"
 """Name of the held-out set used when eval.heldout names none (data.heldout_paths or the default corpus's)."""
@@ -208,27 +208,8 @@ def heldout_instances(files: list[str], *, mode: str, seq_len: int, token_dtype:
 def heldout_sums(model: OLMo3, tokens: Int[Array, "b s"],
                  weights: Float[Array, "b s"]) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """(sum of CE, sum of weights) with weights[b, t] scoring the prediction of tokens[b, t + 1]."""
-    hidden = jax.vmap(model.hidden)(tokens)
-    labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    ce, _ = token_losses(hidden, model.lm_head.weight, labels, 0.0)
-    return jnp.sum(ce * weights), jnp.sum(weights)
-
-
-def token_logprobs(model: OLMo3, tokens: Int[Array, "b s"],
-                   targets: Int[Array, "b s"]) -> tuple[Float[Array, "b s"], Bool[Array, "b s"]]:
-    """log p(targets[b, t] | tokens[b, :t+1]) in float32 and whether it is the argmax, unembedding a chunk of
-    positions at a time (never the whole [b, s, vocab] logits)."""
-    hidden = jax.vmap(model.hidden)(tokens)
-    w = model.lm_head.weight
-    b, s, _ = hidden.shape
-    chunk = loss_chunk(b, s, w.shape[1])
-
-    def one(h, y):
-        logits = jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
-        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == y
-
-    return map_sequence_chunks(one, hidden, targets, chunk)
+    ce, _ = loss_sums(model, tokens, weights, 0.0)
+    return ce, jnp.sum(weights)
 
 
 def continuation_scores(model: OLMo3, tokens: Int[Array, "b s"], targets: Int[Array, "b s"],

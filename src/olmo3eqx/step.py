@@ -1,9 +1,8 @@
-"""Loss (CE + z-loss in float32), the train step with in-step gradient accumulation, and the eval step.
+"""The train step with in-step gradient accumulation.
 
-Labels are the inputs shifted left by one; the last position of every instance has no label. The loss is
-the mean over the labelled tokens of unmasked instances of the *global* batch: each micro-batch adds
-sum(loss) / (labelled tokens in the global batch), so the result is the same whatever the sharding or
-accumulation (up to floating-point reassociation).
+The loss (olmo3eqx.loss) is the mean over the labelled tokens of unmasked instances of the *global* batch: each
+micro-batch adds sum(loss) / (labelled tokens in the global batch), so the result is the same whatever the
+sharding or accumulation (up to floating-point reassociation).
 """
 
 from __future__ import annotations
@@ -18,12 +17,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from olmo3eqx import optim
+from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.model import OLMo3, cast_floating, init_model
 from olmo3eqx.sharding import BATCH_AXES, BatchPlan, batch_sharding, tree_shardings
-
-LOGITS_BUDGET = 1 << 26  # float32 logits materialised at once by the chunked loss (256 MiB)
-
 
 class TrainState(eqx.Module):
     model: OLMo3
@@ -31,57 +28,6 @@ class TrainState(eqx.Module):
     step: Int[Array, ""]
     spike: optim.SpikeGuardState
     key: PRNGKeyArray
-
-
-def loss_chunk(batch: int, seq: int, vocab: int) -> int:
-    """Largest divisor of seq whose [batch, chunk, vocab] float32 logits fit LOGITS_BUDGET."""
-    limit = max(1, LOGITS_BUDGET // max(1, batch * vocab))
-    return max(c for c in range(1, seq + 1) if seq % c == 0 and c <= limit)
-
-
-def token_losses(
-    hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
-) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
-    """Per-token cross-entropy and z-loss in float32, unembedding `chunk` positions at a time. With several chunks
-    the chunk function is rematerialised, so the backward pass never holds more than one chunk of logits; when the
-    whole micro-batch is one chunk (its logits fit LOGITS_BUDGET) they are kept instead of computed twice."""
-    b, s, _ = hidden.shape
-    chunk = loss_chunk(b, s, lm_head.shape[1])
-
-    def one(h, y):
-        logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        return lse - picked, z_loss * jnp.square(lse)
-
-    return map_sequence_chunks(one if chunk == s else jax.checkpoint(one), hidden, labels, chunk)
-
-
-def map_sequence_chunks(fn: Callable, hidden: Float[Array, "b s d"], ys: Int[Array, "b s"], chunk: int):
-    """Apply fn(hidden [b, c, d], ys [b, c]) -> per-position outputs [b, c] over the sequence `chunk` positions at a
-    time (lax.map, one chunk of logits alive at once) and reassemble each output as [b, s]."""
-    b, s, _ = hidden.shape
-    if chunk == s:
-        return fn(hidden, ys)
-    hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
-    yc = ys.reshape(b, s // chunk, chunk).swapaxes(0, 1)
-    outs = jax.lax.map(lambda args: fn(*args), (hs, yc))
-    return tuple(o.swapaxes(0, 1).reshape(b, s) for o in outs)
-
-
-def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[Array, "b s"]:
-    """1 where a position has a label (all but the last) in an unmasked instance."""
-    has_label = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
-    return mask[:, None] * has_label[None, :].astype(jnp.float32)
-
-
-def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], mask: Float[Array, " b"], z_loss: float):
-    """(sum of CE, sum of z-loss) over the labelled tokens of a micro-batch."""
-    hidden = model.hidden(tokens)  # the batch as a leading axis, not vmap: 2-D matmuls (model.py's doc)
-    labels = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    ce, z = token_losses(hidden, model.lm_head.weight, labels, z_loss)
-    w = label_weights(tokens, mask)
-    return jnp.sum(ce * w), jnp.sum(z * w)
 
 
 def split_micro(x: Array, accum: int) -> Array:
@@ -137,7 +83,7 @@ def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, m
         micro_mask = split_micro(mask, plan.accum_steps)
 
         def micro_loss(p, t, m):
-            ce, z = loss_sums(p, t, m, ocfg.z_loss)
+            ce, z = loss_sums(p, t, label_weights(t, m), ocfg.z_loss)
             return (ce + z) / total, (ce, z)
 
         grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)

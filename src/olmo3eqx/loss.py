@@ -1,0 +1,92 @@
+"""The language-model loss and per-token log-probabilities, shared by the train step and the evaluators.
+
+Labels are the inputs shifted left by one (`next_token_labels`); the last position of every instance has no
+label. Hidden states are unembedded a chunk of positions at a time (`map_logits`), so full-vocabulary float32
+logits for a whole batch never exist at once. Everything takes the batch as leading axes of `model.hidden` (not
+`jax.vmap`): every projection then runs as one 2-D matmul (model.py says why that matters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from olmo3eqx.model import OLMo3
+
+LOGITS_BUDGET = 1 << 26
+"""Float32 logits materialised at once by the chunked unembedding (256 MiB)."""
+
+
+def next_token_labels(tokens: Int[Array, "b s"]) -> Int[Array, "b s"]:
+    """labels[b, t] = tokens[b, t + 1]; the last position gets 0 and must be weighted out."""
+    return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+
+def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[Array, "b s"]:
+    """1 where a position has a label (all but the last) in an unmasked instance."""
+    has_label = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
+    return mask[:, None] * has_label[None, :].astype(jnp.float32)
+
+
+def loss_chunk(batch: int, seq: int, vocab: int) -> int:
+    """Largest divisor of seq whose [batch, chunk, vocab] float32 logits fit LOGITS_BUDGET."""
+    limit = max(1, LOGITS_BUDGET // max(1, batch * vocab))
+    return max(c for c in range(1, seq + 1) if seq % c == 0 and c <= limit)
+
+
+def map_logits(fn: Callable, hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], ys: Int[Array, "b s"], *,
+               remat: bool) -> tuple[Array, ...]:
+    """fn(float32 logits [b, c, v], ys [b, c]) -> per-position outputs [b, c], applied over the sequence `chunk`
+    positions at a time (lax.map: one chunk of logits alive at once) and reassembled as [b, s] each.
+
+    With `remat` and several chunks the chunk function is rematerialised, so a backward pass never holds more
+    than one chunk of logits; when the whole sequence is one chunk its logits are kept instead of computed twice."""
+    b, s, _ = hidden.shape
+    chunk = loss_chunk(b, s, lm_head.shape[1])
+
+    def unembed_then_fn(h, y):
+        logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        return fn(logits, y)
+
+    if chunk == s:
+        return unembed_then_fn(hidden, ys)
+    chunk_fn = jax.checkpoint(unembed_then_fn) if remat else unembed_then_fn
+    hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
+    yc = ys.reshape(b, s // chunk, chunk).swapaxes(0, 1)
+    outs = jax.lax.map(lambda args: chunk_fn(*args), (hs, yc))
+    return tuple(o.swapaxes(0, 1).reshape(b, s) for o in outs)
+
+
+def token_losses(
+    hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
+) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
+    """Per-token cross-entropy and z-loss (`z_loss * logsumexp(logits)^2`) in float32."""
+
+    def ce_and_z(logits, y):
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return lse - picked, z_loss * jnp.square(lse)
+
+    return map_logits(ce_and_z, hidden, lm_head, labels, remat=True)
+
+
+def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"],
+              z_loss: float) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1]."""
+    hidden = model.hidden(tokens)
+    ce, z = token_losses(hidden, model.lm_head.weight, next_token_labels(tokens), z_loss)
+    return jnp.sum(ce * weights), jnp.sum(z * weights)
+
+
+def token_logprobs(model: OLMo3, tokens: Int[Array, "b s"],
+                   targets: Int[Array, "b s"]) -> tuple[Float[Array, "b s"], Bool[Array, "b s"]]:
+    """log p(targets[b, t] | tokens[b, :t+1]) in float32 and whether it is the argmax."""
+
+    def logprob_and_greedy(logits, y):
+        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == y
+
+    return map_logits(logprob_and_greedy, model.hidden(tokens), model.lm_head.weight, targets, remat=False)
