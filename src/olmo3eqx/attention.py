@@ -19,13 +19,16 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
 from __future__ import annotations
 
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "blocked")
+from olmo3eqx.config import AttentionImpl
+
+IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
 """Query blocks of a global layer: block i attends to key blocks 0..i, so (n+1)/2n = 5/8 of T x T is computed."""
 MASKED = -0.7 * float(np.finfo(np.float32).max)

@@ -17,12 +17,31 @@ import yaml
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+Dtype = Literal["float32", "bfloat16", "float16"]
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+AttentionImpl = Literal["auto", "xla", "cudnn", "blocked"]
 
 
 class ConfigError(ValueError):
     """A configuration that contradicts itself or its input; the message names the field and the fix."""
+
+
+def check_choices(cfg: Any, section: str) -> None:
+    """Every Literal-typed field of dataclass `cfg` holds one of its choices (tyro and the YAML reader check
+    this for flags and files; this catches a config built in Python)."""
+    for name, tp in typing.get_type_hints(type(cfg)).items():
+        choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+        if choices and getattr(cfg, name) not in choices:
+            raise ConfigError(f"{section}.{name} must be one of {choices}, got {getattr(cfg, name)!r}.")
+
+
+def check_signs(cfg: Any, section: str, *, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    for name in positive:
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{section}.{name} must be positive, got {getattr(cfg, name)}.")
+    for name in non_negative:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{section}.{name} must be non-negative, got {getattr(cfg, name)}.")
 
 
 def olmo_layer_types(num_layers: int) -> tuple[str, ...]:
@@ -64,28 +83,28 @@ class ModelConfig:
     """End-of-document token (dolma2: 100257)."""
     pad_token_id: int = 100277
     """Padding token (dolma2: 100277)."""
-    param_dtype: str = "float32"
+    param_dtype: Dtype = "float32"
     """Master weights."""
-    compute_dtype: str = "bfloat16"
+    compute_dtype: Dtype = "bfloat16"
     """Matmuls and activations; norms, RoPE, softmax statistics and the loss stay float32."""
-    remat: str = "dots"
+    remat: RematPolicy = "dots"
     """Per-block rematerialisation: none (save every intermediate), full (save only the block input), dots (save
     matmul outputs, recompute the elementwise work between them), dots_no_batch (also recompute attention's
-    batched matmuls). dots is the default: in a layer scan, none stacks ~50 arrays per layer and ran 1.2-1.9x slower
-    on the 2-core CPU (README "Performance"); unrolled, the two ran alike."""
+    batched matmuls). dots is the default because in a layer scan none stacks ~50 arrays per layer (measured by
+    bench/bench_step.py and bench/bench_memory.py; README "Performance")."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats: more than once,
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
-    attention_impl: Literal["auto", "xla", "cudnn", "blocked"] = "auto"
+    attention_impl: AttentionImpl = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
     (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band);
     auto picks cudnn on GPU, blocked elsewhere."""
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}.")
+        check_choices(self, "model")
+        check_signs(self, "model", positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim",
+                                             "sliding_window"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -100,11 +119,6 @@ class ModelConfig:
             bad = sorted(set(self.layer_types) - {SLIDING, FULL})
             if bad:
                 raise ConfigError(f"model.layer_types has unknown types {bad}; use '{SLIDING}' or '{FULL}'.")
-        for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"model.{name} must be one of {DTYPES}, got {getattr(self, name)!r}.")
-        if self.remat not in REMAT_POLICIES:
-            raise ConfigError(f"model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}.")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id {self.eos_token_id} is outside the vocabulary "
                               f"(vocab_size {self.vocab_size}).")
@@ -139,6 +153,12 @@ class DataConfig:
     """Where the embedded default corpus is prepared once."""
     allow_fingerprint_mismatch: bool = False
     """Resume even when the token files differ from the ones the checkpoint was written with."""
+
+    def __post_init__(self):
+        check_choices(self, "data")
+        check_signs(self, "data", positive=("seq_len", "global_batch"), non_negative=("num_threads", "prefetch"))
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ConfigError(f"data.vocab_size must be positive, got {self.vocab_size}.")
 
 
 @dataclass(frozen=True)
@@ -175,15 +195,12 @@ class OptimConfig:
     """Steps in the spike guard's rolling window; it judges steps once max(20, window // 2) - 1 are recorded."""
 
     def __post_init__(self):
-        for name in ("lr", "eps", "spike_sigma"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"optim.{name} must be positive, got {getattr(self, name)}.")
+        check_choices(self, "optim")
+        check_signs(self, "optim", positive=("lr", "eps", "spike_sigma"),
+                    non_negative=("weight_decay", "clip_grad_norm", "z_loss", "warmup_steps"))
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}.")
-        for name in ("weight_decay", "clip_grad_norm", "z_loss", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"optim.{name} must be non-negative, got {getattr(self, name)}.")
         if not 0 <= self.final_lr_ratio <= 1:
             raise ConfigError(f"optim.final_lr_ratio must be in [0, 1], got {self.final_lr_ratio}.")
         if self.spike_window < 2:
@@ -203,6 +220,15 @@ class MeshConfig:
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
 
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if sizes.count(-1) > 1:
+            raise ConfigError("At most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the rest of the devices).")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ConfigError(f"Mesh sizes must be positive or -1, got data={self.data} fsdp={self.fsdp} "
+                              f"tensor={self.tensor}.")
+        check_signs(self, "mesh", positive=("max_per_device_batch",))
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -214,6 +240,9 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
     async_save: bool = True
     """Write checkpoints in the background (the step loop only waits for the device-to-host copy)."""
+
+    def __post_init__(self):
+        check_signs(self, "checkpoint", positive=("every", "keep"), non_negative=("keep_every",))
 
 
 @dataclass(frozen=True)
@@ -246,9 +275,8 @@ class EvalConfig:
     evaluations)."""
 
     def __post_init__(self):
-        for name in ("every", "batches", "task_limit"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"eval.{name} must be non-negative, got {getattr(self, name)}.")
+        check_choices(self, "eval")
+        check_signs(self, "eval", non_negative=("every", "batches", "task_limit"))
 
 
 @dataclass(frozen=True)
@@ -267,6 +295,9 @@ class LogConfig:
     """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
     indices: bool = False
     """Every process appends the global instance ids of each step's batch to run_dir/indices/process_<i>.jsonl."""
+
+    def __post_init__(self):
+        check_signs(self, "log", positive=("every",))
 
 
 @dataclass(frozen=True)
@@ -315,6 +346,15 @@ class TrainConfig:
     dry_run: bool = False
     """Print the resolved config, sizes, FLOPs, mesh and compiled memory, then exit."""
 
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ConfigError(f"steps must be at least 1, got {self.steps}.")
+
+    @property
+    def token_vocab_size(self) -> int:
+        """Token ids of the data must be below this: data.vocab_size, else model.vocab_size."""
+        return self.data.vocab_size or self.model.vocab_size
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.name
@@ -344,9 +384,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: cannot use {value!r}.")
     if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}.")
-        return value
+        return value  # the dataclass's __post_init__ checks the choice (check_choices)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}.")

@@ -41,8 +41,6 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Int[ArrayLike, 
     Steps past total_steps keep the final value; a run no longer than its warmup ends inside it.
     Accepts a Python int or a traced integer.
     """
-    if total_steps < 1:
-        raise ConfigError(f"steps must be at least 1 to build a learning-rate schedule, got {total_steps}.")
     peak, warmup, final = cfg.lr, cfg.warmup_steps, cfg.final_lr_ratio
     decay_steps = max(total_steps - warmup, 1)
 
@@ -160,8 +158,6 @@ class SpikeGuardState(eqx.Module):
 
     @staticmethod
     def init(window: int) -> SpikeGuardState:
-        if window < 2:
-            raise ConfigError(f"optim.spike_window must be at least 2, got {window}.")
         zeros = jnp.zeros((window,), jnp.float32)
         return SpikeGuardState(losses=zeros, grad_norms=zeros, count=jnp.zeros((), jnp.int32))
 

@@ -26,12 +26,9 @@ ROW = ("o_proj", "down_proj")
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) for `num_devices` devices; MeshConfig has checked the sizes themselves."""
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
-    if sizes.count(-1) > 1:
-        raise ConfigError("At most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the rest of the devices).")
     known = math.prod(s for s in sizes if s != -1)
-    if any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"Mesh sizes must be positive or -1, got data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor}.")
     if -1 in sizes:
         if num_devices % known:
             raise ConfigError(f"{num_devices} devices cannot be split into mesh data={cfg.data} fsdp={cfg.fsdp} "
