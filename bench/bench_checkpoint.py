@@ -22,8 +22,7 @@ import jax
 from olmo3eqx.checkpoint import Checkpointer
 from olmo3eqx.config import load_yaml, to_dict
 from olmo3eqx.flops import param_count
-from olmo3eqx.sharding import make_mesh
-from olmo3eqx.step import sharded_init, state_layout
+from olmo3eqx.sharding import build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,9 +36,8 @@ def config(name: str):
 
 def bench(name: str, repeats: int = 3) -> dict:
     cfg = config(name)
-    mesh = make_mesh(cfg.mesh)
-    opt, abstract, shardings = state_layout(cfg, mesh)
-    state = sharded_init(cfg, opt, shardings)
+    layout = build_layout(cfg)
+    state = layout.init_state(cfg)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     blocking, background, restore = [], [], []
@@ -57,7 +55,7 @@ def bench(name: str, repeats: int = 3) -> dict:
         del state  # restore into freed memory: two copies of a large state do not fit beside the host buffers
         for _ in range(repeats):
             t0 = time.perf_counter()
-            restored, _ = ck.restore(repeats, abstract, shardings)
+            restored, _ = ck.restore(repeats, layout.state_target())
             jax.block_until_ready(restored)
             restore.append(time.perf_counter() - t0)
             del restored

@@ -24,23 +24,18 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import dataclasses, json, sys, time
 sys.path.insert(0, {bench!r})
-import jax, jax.numpy as jnp
+import jax
 import common
-from olmo3eqx.checkpoint import abstract_with_shardings
 from olmo3eqx.config import load_yaml
-from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-from olmo3eqx.step import make_train_step, state_layout
+from olmo3eqx.sharding import build_layout
+from olmo3eqx.step import make_train_step
 tiny = load_yaml({config!r})
 model = dataclasses.replace(tiny.model, num_hidden_layers={depth}, scan_layers={scan}, remat={remat!r})
 cfg = common.train_config(model, tiny.data.seq_len, tiny.data.global_batch)
-mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
-opt, abstract, shardings = state_layout(cfg, mesh)
-step = make_train_step(cfg, opt, mesh, plan, shardings)
-tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, cfg.data.seq_len), jnp.int32, sharding=batch_sharding(mesh, 2))
-mask = jax.ShapeDtypeStruct((cfg.data.global_batch,), jnp.float32, sharding=batch_sharding(mesh, 1))
+layout = build_layout(cfg, jax.devices()[:1])
+step = make_train_step(cfg, layout)
 t0 = time.perf_counter()
-lowered = step.lower(abstract_with_shardings(abstract, shardings), tokens, mask)
+lowered = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len))
 t1 = time.perf_counter()
 lowered.compile()
 t2 = time.perf_counter()

@@ -24,26 +24,20 @@ if __name__ == "__main__":
     common.clean_xla_flags()
 
 import jax
-import jax.numpy as jnp
 
 from olmo3eqx import flops
-from olmo3eqx.checkpoint import abstract_with_shardings
 from olmo3eqx.config import load_yaml
-from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-from olmo3eqx.step import make_train_step, state_layout
+from olmo3eqx.sharding import build_layout
+from olmo3eqx.step import make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def analyse(model, seq: int, batch: int) -> dict:
     cfg = common.train_config(model, seq, batch)
-    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-    plan = plan_batch(batch, mesh, batch)
-    opt, abstract, shardings = state_layout(cfg, mesh)
-    step = make_train_step(cfg, opt, mesh, plan, shardings)
-    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh, 2))
-    mask = jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sharding(mesh, 1))
-    mem = step.lower(abstract_with_shardings(abstract, shardings), tokens, mask).compile().memory_analysis()
+    layout = build_layout(cfg, jax.devices()[:1])
+    step = make_train_step(cfg, layout)
+    mem = step.lower(layout.state_target(), *layout.batch_target(seq)).compile().memory_analysis()
     return {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
             "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes}
 

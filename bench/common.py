@@ -48,19 +48,17 @@ def build_step(cfg, devices=None):
     import jax
     import numpy as np
 
-    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import make_train_step, sharded_init, state_layout
+    from olmo3eqx.sharding import build_layout
+    from olmo3eqx.step import make_train_step
 
     devices = devices or jax.devices()[:1]
-    mesh = make_mesh(dataclasses.replace(cfg.mesh, fsdp=len(devices)), devices)
-    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
-    optimizer, _, shardings = state_layout(cfg, mesh)
-    step = make_train_step(cfg, optimizer, mesh, plan, shardings)
-    state = sharded_init(cfg, optimizer, shardings)
+    layout = build_layout(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=len(devices))), devices)
+    step = make_train_step(cfg, layout)
+    state = layout.init_state(cfg)
     rng = np.random.default_rng(0)
-    tokens = jax.device_put(rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len),
-                                         dtype=np.int32), batch_sharding(mesh, 2))
-    mask = jax.device_put(np.ones(cfg.data.global_batch, np.float32), batch_sharding(mesh, 1))
+    tokens, mask = layout.put_batch({
+        "tokens": rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len), dtype=np.int32),
+        "mask": np.ones(cfg.data.global_batch, np.float32)})
     return step, state, tokens, mask
 
 

@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3eqx import loss as loss_lib, optim, step as step_lib
-from olmo3eqx.checkpoint import is_leaf_like
+from olmo3eqx import loss as loss_lib, optim, state as state_lib
 from olmo3eqx.config import MeshConfig, ModelConfig, OptimConfig, TrainConfig, DataConfig
-from olmo3eqx.sharding import make_mesh, partition_spec, plan_batch
-from olmo3eqx.step import make_train_step, sharded_init, state_layout
+from olmo3eqx.sharding import build_layout, is_leaf_like, make_mesh, partition_spec, plan_batch
+from olmo3eqx.step import make_train_step
 
 MODEL = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
@@ -32,16 +31,14 @@ def batch(seed=0):
 
 
 def run(cfg, mesh_cfg, num_devices, steps=2):
-    mesh = make_mesh(mesh_cfg, jax.devices()[:num_devices])
-    plan = plan_batch(BATCH, mesh, mesh_cfg.max_per_device_batch)
-    opt, _, shardings = state_layout(cfg, mesh)
-    state = sharded_init(cfg, opt, shardings)
-    fn = make_train_step(cfg, opt, mesh, plan, shardings)
+    layout = build_layout(dataclasses.replace(cfg, mesh=mesh_cfg), jax.devices()[:num_devices])
+    state = layout.init_state(cfg)
+    fn = make_train_step(cfg, layout)
     losses = []
     for i in range(steps):
         state, m = fn(state, *batch(i))
         losses.append(float(m["train/loss"]))
-    return plan, state, losses, mesh
+    return layout.plan, state, losses, layout.mesh
 
 
 def host(tree):
@@ -90,7 +87,7 @@ def test_param_and_moment_shardings_follow_the_rule():
 
 def test_tensor_parallel_rule_splits_columns_and_rows():
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2), jax.devices()[:4])
-    abstract = step_lib.abstract_state(make_cfg(), optim.make_optimizer(make_cfg().optim, 10))
+    abstract = state_lib.abstract_state(make_cfg(), optim.make_optimizer(make_cfg().optim, 10))
     specs = jax.tree_util.tree_map_with_path(lambda p, x: partition_spec(p, x.shape, mesh),
                                              eqx.filter(abstract.model, is_leaf_like))
     P = jax.sharding.PartitionSpec
@@ -116,7 +113,7 @@ def reference_loss(model, tokens, mask, z_coef):
 def test_loss_matches_numpy_and_chunking_and_masking(monkeypatch, budget):
     monkeypatch.setattr(loss_lib, "LOGITS_BUDGET", budget)  # 4*128: chunks of 1 position for batch 4
     cfg = make_cfg()
-    model = step_lib.init_state(cfg, optim.make_optimizer(cfg.optim, 10), jax.random.PRNGKey(0)).model
+    model = state_lib.init_state(cfg, optim.make_optimizer(cfg.optim, 10), jax.random.PRNGKey(0)).model
     tokens, _ = batch(3)
     tokens = tokens[:4]
     mask = np.array([1, 0, 1, 1], np.float32)

@@ -188,7 +188,7 @@ def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
     run_dir = base / "torn"
     shutil.copytree(reference, run_dir)
     ckpt = run_dir / "e2e" / "checkpoints"
-    for f in (ckpt / "12" / "model").rglob("*"):
+    for f in (ckpt / "12" / "state").rglob("*"):
         if f.is_file() and f.name != "_METADATA":
             f.write_bytes(b"")  # torn array data
     keep_metrics_until(run_dir, 8)
@@ -224,7 +224,7 @@ def test_refusals_unreadable_checkpoints_config_mismatch_and_done(setup, referen
     shutil.copytree(reference, broken)
     for step_dir in (broken / "e2e" / "checkpoints").iterdir():
         if step_dir.name.isdigit():
-            shutil.rmtree(step_dir / "model")
+            shutil.rmtree(step_dir / "state")
     lines = (broken / "e2e" / "metrics.jsonl").read_text()
     p = run(cfg, broken, check=False)
     assert p.returncode != 0 and "refusing to start from scratch" in p.stderr
@@ -276,24 +276,22 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     # The moments themselves: init_from with the optimizer carries stage 1's AdamW state leaf for leaf.
     from olmo3eqx import checkpoint as ckpt_lib
     from olmo3eqx.config import load_yaml
-    from olmo3eqx.sharding import make_mesh
-    from olmo3eqx.step import sharded_init, state_layout
+    from olmo3eqx.sharding import build_layout
 
     tcfg = load_yaml(cfg)
-    mesh = make_mesh(tcfg.mesh)
-    opt, abstract, shardings = state_layout(tcfg, mesh)
-    fresh = sharded_init(tcfg, opt, shardings)
+    layout = build_layout(tcfg)
+    fresh = layout.init_state(tcfg)
     src = reference / "e2e" / "checkpoints"
-    carried = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=True)
+    carried = ckpt_lib.init_from(src, fresh, layout.state_target(), with_optimizer=True)
     saved = Checkpointer(src, keep=3)
-    _, want = saved.restore_latest(abstract, shardings, tcfg.model)[:2]
+    _, want = saved.restore_latest(layout.state_target(), tcfg.model)[:2]
     saved.close()
     assert int(carried.step) == 0
     for a, b in zip(jax.tree.leaves(carried.opt_state), jax.tree.leaves(want.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(carried.model), jax.tree.leaves(want.model)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    weights_only = ckpt_lib.init_from(src, fresh, abstract, shardings, with_optimizer=False)
+    weights_only = ckpt_lib.init_from(src, fresh, layout.state_target(), with_optimizer=False)
     assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(weights_only.opt_state[1].mu))
 
 

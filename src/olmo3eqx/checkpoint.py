@@ -1,10 +1,12 @@
-"""Orbax checkpoints: one `Composite` per saved step.
+"""Orbax checkpoints: one `Composite` per saved step, the train state saved and restored as one tree.
 
 Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
-    C/<step>/model/      the model's arrays (StandardSave of `eqx.filter(model, eqx.is_array)`)
+    C/<step>/state/      the train state's arrays as one tree (olmo3eqx.state.TrainState: model, opt_state, ...);
+                         `convert.py hf-to-orbax` writes a state holding only {"model": ...}, as step 0
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
-Training checkpoints add `opt_state`, `train` (step, RNG, ...) and `data` (iterator states) items.
-`convert.py hf-to-orbax` writes step 0 with the model and config items only.
+    C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
+Readers that need part of a state (the model for evaluation or conversion, model and moments for `init_from`)
+restore just those top-level parts (`restore_parts`); nothing else is read.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -19,23 +22,20 @@ import orbax.checkpoint as ocp
 
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
 from olmo3eqx.model import OLMo3, abstract_model
+from olmo3eqx.sharding import is_leaf_like, with_shardings
 
-
-def is_leaf_like(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def model_arrays(model: OLMo3):
-    return eqx.filter(model, eqx.is_array)
+STATE = "state"
+"""The item holding the train state (or a converted model) of every checkpoint step."""
 
 
 def save_model(directory: str | Path, model: OLMo3, cfg: ModelConfig, step: int = 0, extra_config: dict | None = None):
-    """Write `model` as step `step` of the checkpoint directory (blocking)."""
+    """Write `model` as step `step` of the checkpoint directory (blocking): a state of the model alone."""
     directory = Path(directory).absolute()
     config = {"model": to_dict(cfg), **(extra_config or {})}
-    with ocp.CheckpointManager(directory, item_names=("model", "config")) as mngr:
+    with ocp.CheckpointManager(directory, item_names=(STATE, "config")) as mngr:
         mngr.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(model_arrays(model)), config=ocp.args.JsonSave(config)), force=True)
+            state=ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array)}),
+            config=ocp.args.JsonSave(config)), force=True)
         mngr.wait_until_finished()
 
 
@@ -44,13 +44,13 @@ def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
     path = Path(path).absolute()
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist; pass the directory convert.py or train.py wrote.")
-    if (path / "model").is_dir() and path.name.isdigit():
+    if (path / STATE).is_dir() and path.name.isdigit():
         return path.parent, int(path.name)
     if (path / "checkpoints").is_dir():  # a run directory
         path = path / "checkpoints"
-    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "model").is_dir())
+    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / STATE).is_dir())
     if not steps:
-        raise FileNotFoundError(f"No complete checkpoint step under {path}; expected <step>/model/ subdirectories.")
+        raise FileNotFoundError(f"No complete checkpoint step under {path}; expected <step>/{STATE}/ subdirectories.")
     return path, steps[-1]
 
 
@@ -66,6 +66,24 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
         raise ConfigError(f"The config stored in checkpoint {where} is not a valid model config: {e}") from None
 
 
+def saved_parts(root: Path, step: int) -> list[str]:
+    """The top-level parts of a step's saved state (a training checkpoint: every TrainState field)."""
+    return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
+
+
+def restore_parts(root: Path, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+    """Top-level parts of a step's saved state, each restored onto its target (a tree like the part, whose array
+    leaves are sharded ShapeDtypeStructs, see sharding.with_shardings); the other parts are not read."""
+    missing = sorted(set(targets) - set(saved_parts(root, step)))
+    if missing:
+        raise ConfigError(f"Checkpoint {root / str(step)} holds no {', '.join(missing)}; a converted checkpoint holds "
+                          f"the model only.")
+    args = ocp.args.PyTreeRestore(item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
+                                  partial_restore=True)
+    with ocp.CheckpointManager(root, item_names=(STATE,)) as mngr:
+        return dict(mngr.restore(step, args=ocp.args.Composite(state=args))[STATE])
+
+
 def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLMo3:
     """Restore the model arrays of `step` onto `sharding` (a pytree of shardings like the model, or one)."""
     abstract = abstract_model(cfg)
@@ -73,9 +91,7 @@ def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLM
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = sharding if not isinstance(sharding, jax.sharding.Sharding) else jax.tree.map(lambda _: sharding, params)
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    with ocp.CheckpointManager(root, item_names=("model",)) as mngr:
-        restored = mngr.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))["model"]
+    restored = restore_parts(root, step, {"model": with_shardings(abstract, shardings)})["model"]
     return eqx.combine(restored, static)
 
 
@@ -88,24 +104,17 @@ def load_model(ckpt_dir: str | Path, sharding=None) -> tuple[OLMo3, ModelConfig]
 
 # --- training checkpoints -------------------------------------------------------------------------
 
-TRAIN_ITEMS = ("model", "opt_state", "train", "data", "config")
+TRAIN_ITEMS = (STATE, "data", "config")
 
 
 class CheckpointLoadError(RuntimeError):
     """Every checkpoint in a run directory failed to load: never start from scratch over them."""
 
 
-def abstract_with_shardings(abstract, shardings):
-    """ShapeDtypeStruct leaves carrying the *current* mesh's shardings, so a restore lands resharded
-    (a run saved on 4 devices resumes on 2 or 8)."""
-    params, _ = eqx.partition(abstract, is_leaf_like)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-
-
 class Checkpointer:
-    """Composite checkpoints of a train state: `model`, `opt_state`, `train` (step, spike-guard buffers, RNG),
-    `data` (the iterator state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the
-    state after N updates and a data state that has consumed exactly N global batches."""
+    """Composite checkpoints of a train state: `state` (the TrainState's arrays, one tree), `data` (the iterator
+    state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the state after N updates and a
+    data state that has consumed exactly N global batches."""
 
     def __init__(self, directory: str | Path, *, keep: int, keep_every: int = 0, async_save: bool = True):
         self.directory = Path(directory).absolute()
@@ -118,11 +127,8 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        train = {"step": state.step, "spike": state.spike, "key": state.key}
         self.manager.save(step, args=ocp.args.Composite(
-            model=ocp.args.StandardSave(model_arrays(state.model)),
-            opt_state=ocp.args.StandardSave(state.opt_state),
-            train=ocp.args.StandardSave(train),
+            state=ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(config)), force=True)
 
@@ -132,24 +138,14 @@ class Checkpointer:
     def read_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
-    def restore(self, step: int, abstract_state, shardings):
-        """(state, data_state) of `step`, restored onto `shardings`."""
-        target = abstract_with_shardings(abstract_state, shardings)
-        train_target = {"step": target.step, "spike": target.spike, "key": target.key}
+    def restore(self, step: int, target):
+        """(state, data_state) of `step`. `target` is the train state as sharded ShapeDtypeStructs of the current
+        mesh (Layout.state_target()), so the restore lands resharded."""
         out = self.manager.restore(step, args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(target.model),
-            opt_state=ocp.args.StandardRestore(target.opt_state),
-            train=ocp.args.StandardRestore(train_target),
-            data=ocp.args.JsonRestore()))
-        from olmo3eqx.step import TrainState
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        return out[STATE], out["data"]
 
-        _, static_model = eqx.partition(abstract_state.model, is_leaf_like)
-        train = out["train"]
-        state = TrainState(eqx.combine(out["model"], static_model), out["opt_state"], train["step"],
-                           train["spike"], train["key"])
-        return state, out["data"]
-
-    def restore_latest(self, abstract_state, shardings, model_cfg: ModelConfig, warn=print):
+    def restore_latest(self, target, model_cfg: ModelConfig, warn=print):
         """The newest checkpoint that loads, falling back over torn or unreadable ones with a warning; None when
         the directory has no checkpoint; CheckpointLoadError when it has some and none loads. A readable
         checkpoint whose model config differs from `model_cfg` is a ConfigError, not a fallback."""
@@ -165,7 +161,7 @@ class Checkpointer:
             try:
                 if config is None:
                     raise read_error
-                state, data_state = self.restore(step, abstract_state, shardings)
+                state, data_state = self.restore(step, target)
                 self._set_aside([s for s in steps if s > step])
                 return step, state, data_state
             except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
@@ -212,20 +208,16 @@ def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
                           f"checkpoint's values or start a new run (a new run.name).")
 
 
-def init_from(path: str | Path, state, abstract_state, shardings, *, with_optimizer: bool):
-    """A fresh state whose weights (and with `with_optimizer` the AdamW moments) come from checkpoint `path`;
-    step, data position, spike-guard history and RNG stay those of the fresh state (stage 2's start)."""
+def init_from(path: str | Path, fresh, target, *, with_optimizer: bool):
+    """`fresh` with the parts it takes from checkpoint `path` replaced: the model, and with `with_optimizer` the AdamW
+    state (stage 2's start); step, data position and spike-guard history stay the fresh state's. `target` is as in
+    Checkpointer.restore."""
     root, step = resolve_step_dir(path)
     where = str(root / str(step))
-    check_model_config(read_config(root, step), state.model.cfg, where)
-    model = restore_model(root, step, state.model.cfg, shardings.model)
-    opt_state = state.opt_state
-    if with_optimizer:
-        if not (root / str(step) / "opt_state").is_dir():
-            raise FileNotFoundError(f"Checkpoint {where} has no optimizer state (a converted checkpoint has weights "
-                                    f"only); drop --init-optimizer to start with fresh moments.")
-        target = abstract_with_shardings(abstract_state, shardings).opt_state
-        with ocp.CheckpointManager(root, item_names=("opt_state",)) as mngr:
-            opt_state = mngr.restore(step, args=ocp.args.Composite(
-                opt_state=ocp.args.StandardRestore(target)))["opt_state"]
-    return type(state)(model, opt_state, state.step, state.spike, state.key)
+    check_model_config(read_config(root, step), fresh.model.cfg, where)
+    parts = ("model", "opt_state") if with_optimizer else ("model",)
+    if with_optimizer and "opt_state" not in saved_parts(root, step):
+        raise FileNotFoundError(f"Checkpoint {where} has no optimizer state (a converted checkpoint has weights "
+                                f"only); drop --init-optimizer to start with fresh moments.")
+    taken = restore_parts(root, step, {name: getattr(target, name) for name in parts})
+    return eqx.tree_at(lambda s: [getattr(s, name) for name in parts], fresh, [taken[name] for name in parts])

@@ -1,10 +1,11 @@
-"""The device mesh and the one rule that maps a parameter path to a PartitionSpec.
+"""The device mesh, the one rule that maps a parameter path to a PartitionSpec, and the run's Layout.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer state sharded),
 `tensor` (Megatron-style column/row split of the projections). The batch is split over (data, fsdp).
 The same rule shards parameters and optimizer state: it looks only at the module names in a leaf's path
 and its shape, so `opt_state[...].mu.blocks.mlp.up_proj.weight` lands where `blocks.mlp.up_proj.weight` does.
-GSPMD style throughout (AxisType.Auto).
+GSPMD style throughout (AxisType.Auto). `build_layout(cfg)` puts it together for a run: mesh, batch plan,
+optimizer, abstract train state and its shardings, which the loop, the dry run, bench/ and the tests start from.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from olmo3eqx.config import ConfigError, MeshConfig
+from olmo3eqx import optim
+from olmo3eqx.config import ConfigError, MeshConfig, TrainConfig
+from olmo3eqx.state import TrainState, abstract_state, init_state
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -102,12 +108,29 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def data_parallel_size(mesh: Mesh) -> int:
+    """Devices the batch is split over: data x fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def is_leaf_like(x) -> bool:
+    """An array or its abstract stand-in (`eqx.is_array` is False for a ShapeDtypeStruct)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def with_shardings(abstract, shardings):
+    """The array leaves of `abstract` as ShapeDtypeStructs carrying `shardings`: what an orbax restore (landing
+    resharded: a run saved on 4 devices resumes on 2 or 8) and an ahead-of-time lowering take."""
+    params, _ = eqx.partition(abstract, is_leaf_like)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How the fixed global batch maps onto the devices."""
 
     global_batch: int
-    batch_devices: int  # data x fsdp
+    batch_devices: int  # data_parallel_size(mesh)
     per_device_batch: int  # micro-batch per device
     accum_steps: int
 
@@ -117,7 +140,7 @@ class BatchPlan:
 
 
 def plan_batch(global_batch: int, mesh: Mesh, max_per_device_batch: int) -> BatchPlan:
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    dp = data_parallel_size(mesh)
     if global_batch % dp:
         raise ConfigError(f"data.global_batch={global_batch} is not divisible by the {dp} data-parallel devices "
                           f"(mesh data x fsdp); change the batch or the mesh.")
@@ -125,3 +148,56 @@ def plan_batch(global_batch: int, mesh: Mesh, max_per_device_batch: int) -> Batc
     accum = next(a for a in range(max(1, -(-per_device // max(1, max_per_device_batch))), per_device + 1)
                  if per_device % a == 0)
     return BatchPlan(global_batch, dp, per_device // accum, accum)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's state and batches live on the devices; built once by `build_layout`."""
+
+    mesh: Mesh
+    plan: BatchPlan
+    optimizer: optax.GradientTransformationExtraArgs
+    abstract: TrainState
+    """The train state's shapes and dtypes (ShapeDtypeStruct leaves)."""
+    shardings: TrainState
+    """A NamedSharding per array leaf of the train state."""
+
+    @property
+    def data_parallel(self) -> int:
+        return self.plan.batch_devices
+
+    def init_state(self, cfg: TrainConfig) -> TrainState:
+        """A fresh state from cfg.run.seed, every leaf created already sharded, never whole on one device."""
+        init = jax.jit(lambda k: init_state(cfg, self.optimizer, k), out_shardings=self.shardings)
+        return init(jax.random.PRNGKey(cfg.run.seed))
+
+    def state_target(self) -> TrainState:
+        """The state's arrays as sharded ShapeDtypeStructs (see with_shardings)."""
+        return with_shardings(self.abstract, self.shardings)
+
+    def batch_target(self, seq_len: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        """(tokens, mask) of one global batch as sharded ShapeDtypeStructs."""
+        b = self.plan.global_batch
+        return (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=batch_sharding(self.mesh, 2)),
+                jax.ShapeDtypeStruct((b,), jnp.float32, sharding=batch_sharding(self.mesh, 1)))
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> tuple[jax.Array, jax.Array]:
+        """This process's rows of a global batch (the data pipeline's {"tokens", "mask"}) -> global (tokens, mask)."""
+        tokens, mask = batch["tokens"], batch["mask"]
+        shape = (self.plan.global_batch, tokens.shape[1])
+        return (jax.make_array_from_process_local_data(batch_sharding(self.mesh, 2), tokens, shape),
+                jax.make_array_from_process_local_data(batch_sharding(self.mesh, 1), mask, shape[:1]))
+
+    def describe(self) -> str:
+        p = self.plan
+        return (f"mesh {dict(self.mesh.shape)}; per-device batch {p.per_device_batch} x {p.accum_steps} accumulation "
+                f"steps = global batch {p.global_batch}")
+
+
+def build_layout(cfg: TrainConfig, devices=None) -> Layout:
+    """The Layout of `cfg` on `devices` (default: every device)."""
+    mesh = make_mesh(cfg.mesh, devices)
+    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
+    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
+    abstract = abstract_state(cfg, optimizer)
+    return Layout(mesh, plan, optimizer, abstract, tree_shardings(abstract, mesh))

@@ -13,21 +13,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
 
 from olmo3eqx import optim
-from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.config import OptimConfig, TrainConfig
-from olmo3eqx.model import OLMo3, cast_floating, init_model
-from olmo3eqx.sharding import BATCH_AXES, BatchPlan, batch_sharding, tree_shardings
-
-class TrainState(eqx.Module):
-    model: OLMo3
-    opt_state: optax.OptState
-    step: Int[Array, ""]
-    spike: optim.SpikeGuardState
-    key: PRNGKeyArray
+from olmo3eqx.loss import label_weights, loss_sums
+from olmo3eqx.model import cast_floating
+from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding
+from olmo3eqx.state import TrainState
 
 
 def split_micro(x: Array, accum: int) -> Array:
@@ -36,42 +30,10 @@ def split_micro(x: Array, accum: int) -> Array:
     return x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
 
 
-def init_state(cfg: TrainConfig, optimizer: optax.GradientTransformation, key: PRNGKeyArray) -> TrainState:
-    model_key, state_key = jax.random.split(key)  # legacy uint32 keys: plain arrays orbax can save
-    model = init_model(cfg.model, model_key)
-    # Moments follow the float32 master copy whatever param_dtype is (optim keeps them float32 too).
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    return TrainState(model, opt_state, jnp.zeros((), jnp.int32), optim.SpikeGuardState.init(cfg.optim.spike_window),
-                      state_key)
-
-
-def abstract_state(cfg: TrainConfig, optimizer: optax.GradientTransformation) -> TrainState:
-    return eqx.filter_eval_shape(init_state, cfg, optimizer, jax.random.PRNGKey(cfg.run.seed))
-
-
-def state_shardings(abstract: TrainState, mesh: Mesh):
-    return tree_shardings(abstract, mesh)
-
-
-def state_layout(cfg: TrainConfig, mesh: Mesh) -> tuple[optax.GradientTransformation, TrainState, TrainState]:
-    """(optimizer, abstract state, its shardings on `mesh`): what initialising, restoring or compiling a train state
-    starts from."""
-    optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
-    abstract = abstract_state(cfg, optimizer)
-    return optimizer, abstract, state_shardings(abstract, mesh)
-
-
-def sharded_init(cfg: TrainConfig, optimizer: optax.GradientTransformation, shardings) -> TrainState:
-    """Initialise directly into `shardings` (state_shardings of the abstract state): every leaf is created already
-    sharded, never whole on one device."""
-    init = jax.jit(lambda k: init_state(cfg, optimizer, k), out_shardings=shardings)
-    return init(jax.random.PRNGKey(cfg.run.seed))
-
-
-def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, mesh: Mesh, plan: BatchPlan,
-                    shardings) -> Callable:
+def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
     """jit(train_step(state, tokens, mask) -> (state, metrics)), state donated, shardings explicit."""
     ocfg: OptimConfig = cfg.optim
+    optimizer, plan, mesh, shardings = layout.optimizer, layout.plan, layout.mesh, layout.shardings
     schedule = optim.lr_schedule(ocfg, cfg.steps)
     micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
     param_shardings = shardings.model
@@ -130,7 +92,7 @@ def make_train_step(cfg: TrainConfig, optimizer: optax.GradientTransformation, m
             "train/skipped": skip.astype(jnp.float32),
             "train/masked_instances": jnp.sum(mask == 0).astype(jnp.float32),
         }
-        return TrainState(new_model, new_opt_state, step, spike, state.key), metrics
+        return TrainState(new_model, new_opt_state, step, spike), metrics
 
     bsh = batch_sharding(mesh, 2)
     return jax.jit(train_step, in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),

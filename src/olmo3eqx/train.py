@@ -119,20 +119,18 @@ def dry_run(cfg) -> None:
     """Plan without building anything on devices: sizes, FLOPs, mesh, batch split, and the compiled step's
     memory per device from an ahead-of-time lowering over abstract arrays."""
     import jax
-    import jax.numpy as jnp
     import yaml
 
     from olmo3eqx import flops
-    from olmo3eqx.checkpoint import abstract_with_shardings
     from olmo3eqx.config import to_dict
-    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import make_train_step, state_layout
+    from olmo3eqx.sharding import build_layout
+    from olmo3eqx.step import make_train_step
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
     m, seq = cfg.model, cfg.data.seq_len
-    mesh = make_mesh(cfg.mesh)
-    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
+    layout = build_layout(cfg)
+    plan = layout.plan
     per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
     device_step_tokens = plan.per_device_batch * plan.accum_steps * seq
     print(f"parameters:            {flops.param_count(m):,}")
@@ -143,15 +141,12 @@ def dry_run(cfg) -> None:
           f"({plan.per_device_batch * plan.accum_steps} x {seq} tokens per device)")
     print(f"devices:               {jax.device_count()} x {jax.devices()[0].device_kind} "
           f"({jax.process_count()} process(es))")
-    print(f"mesh:                  {dict(mesh.shape)}")
+    print(f"mesh:                  {dict(layout.mesh.shape)}")
     print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
-    optimizer, abstract, shardings = state_layout(cfg, mesh)
-    step_fn = make_train_step(cfg, optimizer, mesh, plan, shardings)
-    tokens = jax.ShapeDtypeStruct((cfg.data.global_batch, seq), jnp.int32, sharding=batch_sharding(mesh, 2))
-    mask = jax.ShapeDtypeStruct((cfg.data.global_batch,), jnp.float32, sharding=batch_sharding(mesh, 1))
+    step_fn = make_train_step(cfg, layout)
     t = time.perf_counter()
-    compiled = step_fn.lower(abstract_with_shardings(abstract, shardings), tokens, mask).compile()
+    compiled = step_fn.lower(layout.state_target(), *layout.batch_target(seq)).compile()
     compile_s = time.perf_counter() - t
     mem = compiled.memory_analysis()
     if mem is not None:
@@ -208,8 +203,8 @@ def train(cfg) -> int:
     from olmo3eqx import data as data_lib
     from olmo3eqx import flops, metrics
     from olmo3eqx.config import dump_yaml, to_dict
-    from olmo3eqx.sharding import batch_sharding, make_mesh, plan_batch
-    from olmo3eqx.step import make_train_step, sharded_init, state_layout
+    from olmo3eqx.sharding import build_layout
+    from olmo3eqx.step import make_train_step
 
     primary = jax.process_index() == 0
     run_dir = cfg.run_dir
@@ -223,23 +218,20 @@ def train(cfg) -> int:
     say(distributed.describe())
     say(hostmem.describe())
 
-    mesh = make_mesh(cfg.mesh)
-    plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
-    optimizer, abstract, shardings = state_layout(cfg, mesh)
-    say(f"mesh {dict(mesh.shape)}; per-device batch {plan.per_device_batch} x {plan.accum_steps} accumulation "
-        f"steps = global batch {plan.global_batch}")
+    layout = build_layout(cfg)
+    say(layout.describe())
 
     checkpointer = ckpt_lib.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                          keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
-    resumed = checkpointer.restore_latest(abstract, shardings, cfg.model, warn=say)
+    resumed = checkpointer.restore_latest(layout.state_target(), cfg.model, warn=say)
     if resumed is not None:
         start, state, data_state = resumed
         say(f"resumed from {checkpointer.directory / str(start)}")
     else:
         start, data_state = 0, None
-        state = sharded_init(cfg, optimizer, shardings)
+        state = layout.init_state(cfg)
         if cfg.init_from:
-            state = ckpt_lib.init_from(cfg.init_from, state, abstract, shardings, with_optimizer=cfg.init_optimizer)
+            state = ckpt_lib.init_from(cfg.init_from, state, layout.state_target(), with_optimizer=cfg.init_optimizer)
             say(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
     if start >= cfg.steps:
         say(f"checkpoint step {start} already reaches steps={cfg.steps}: nothing to do.")
@@ -247,22 +239,15 @@ def train(cfg) -> int:
         log.close()
         return 0
 
-    vocab = cfg.data.vocab_size or cfg.model.vocab_size
     data_it = data_lib.build_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.run.seed,
-        shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=vocab, state=data_state)
+        shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=cfg.token_vocab_size,
+        state=data_state)
     if data_it.batches_consumed != start:
         raise SystemExit(f"error: the data state of checkpoint {start} has consumed {data_it.batches_consumed} "
                          f"batches instead of {start}; the checkpoint is inconsistent.")
 
-    train_step = make_train_step(cfg, optimizer, mesh, plan, shardings)
-    tok_sharding, mask_sharding = batch_sharding(mesh, 2), batch_sharding(mesh, 1)
-    global_tokens_shape = (cfg.data.global_batch, cfg.data.seq_len)
-
-    def to_device(batch):
-        tokens = jax.make_array_from_process_local_data(tok_sharding, batch["tokens"], global_tokens_shape)
-        mask = jax.make_array_from_process_local_data(mask_sharding, batch["mask"], global_tokens_shape[:1])
-        return tokens, mask
+    train_step = make_train_step(cfg, layout)
 
     flops_per_token = flops.train_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = flops.peak_flops(jax.devices()[0])
@@ -278,7 +263,8 @@ def train(cfg) -> int:
     evaluate_model, heldout_names = None, []
     if cfg.eval.every:
         evaluate_model, heldout_names = evals.build_evaluator(
-            cfg.eval, cfg.data, cfg.model, mesh=mesh, model_shardings=shardings.model, batch_size=plan.micro_batch,
+            cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
+            batch_size=layout.plan.micro_batch,
             seq_len=cfg.data.seq_len, max_instances=cfg.eval.batches * cfg.data.global_batch)
 
     watcher = MemorisationWatch(cfg.eval.memorisation_gap)
@@ -326,8 +312,7 @@ def train(cfg) -> int:
                 batch = next(data_it)
                 if index_log is not None:
                     index_log.write(json.dumps({"step": step, "index": batch["index"].tolist()}) + "\n")
-                tokens, mask = to_device(batch)
-                state, step_metrics = train_step(state, tokens, mask)
+                state, step_metrics = train_step(state, *layout.put_batch(batch))
                 current = metrics.PendingMetrics(step, step_metrics)
                 if pending is not None:  # step t's metrics are read after step t+1 is dispatched
                     status = report(pending)
