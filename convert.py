@@ -2,7 +2,7 @@
 
 import sys
 
-from olmo3eqx.convert import main
+from olmo3eqx.tools.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

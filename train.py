@@ -3,9 +3,9 @@
 import sys
 
 if __name__ == "__main__":
-    from olmo3eqx.hostmem import reexec_with_caching_malloc
+    from olmo3eqx.tools.hostmem import reexec_with_caching_malloc
 
-    reexec_with_caching_malloc()  # on CPU hosts, once, before jax is imported (see olmo3eqx/hostmem.py)
+    reexec_with_caching_malloc()  # on CPU hosts, once, before jax is imported (see olmo3eqx/tools/hostmem.py)
     from olmo3eqx.train import main
 
     sys.exit(main())

@@ -5,7 +5,7 @@ activations, attention scores), with and without remat, per attention backend.
     python bench/bench_memory.py [--configs tiny,small] [--with-7b]
 
 The compiled step aliases the new state to the donated old one ("new state" is what is not aliased; the CPU
-runtime still copies at run time, PITFALLS). Gradients count as temporaries. --with-7b adds one 7B layer period (4 layers) at seq 8192, per-device batch 1, the
+runtime still copies at run time: donation is not honoured on CPU). Gradients count as temporaries. --with-7b adds one 7B layer period (4 layers) at seq 8192, per-device batch 1, the
 stage-1 config otherwise: the attention scores dominate there. Prints a table last, writes
 bench/results/memory.json.
 """

@@ -6,7 +6,7 @@ same config, batch, dtype (float32) and threads; plus MFU against this CPU's mea
 
 Each contender runs in its own worker process (its own heap and allocator; the others wait, idle). `--malloc` names
 the host allocators every contender (ours and torch) is timed under, each in processes of its own: `glibc` (the C
-library's malloc), `tcmalloc` (preloaded, as `python train.py` does on CPU hosts: olmo3eqx/hostmem.py), `jemalloc`
+library's malloc), `tcmalloc` (preloaded, as `python train.py` does on CPU hosts: olmo3eqx/tools/hostmem.py), `jemalloc`
 (preloaded, with `oversize_threshold:0` so large blocks are cached too) and `hugetlb` (glibc with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge pages). The default is glibc and tcmalloc; a preloaded
 allocator that is not installed is left out with a note. Why it matters: XLA's CPU runtime mallocs each step's
@@ -38,7 +38,8 @@ import common
 if __name__ == "__main__":
     common.clean_xla_flags()  # before jax initialises
 
-from olmo3eqx import flops, hostmem
+from olmo3eqx import flops
+from olmo3eqx.tools import hostmem
 from olmo3eqx.config import ModelConfig, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]

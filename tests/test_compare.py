@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo3eqx import compare
+from olmo3eqx.tools import compare
 
 STEPS = 400
 

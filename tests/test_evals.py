@@ -17,10 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from olmo3eqx import evals, hf
-from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, MeshConfig
-from olmo3eqx.convert import save_tiny_hf_model
-from olmo3eqx.sharding import make_mesh
+from olmo3eqx import hf, tasks
+from olmo3eqx.data import heldout
+from olmo3eqx.evaluator import ShardedScorer, build_evaluator
+from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, MeshConfig, parse_named
+from olmo3eqx.sharding import make_mesh, model_shardings
+from olmo3eqx.tools.convert import save_tiny_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,7 +45,7 @@ def tiny(tmp_path_factory):
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model, _ = hf.load_hf(path)
     mesh = make_mesh(MeshConfig(), jax.devices()[:8])
-    shardings = evals.model_shardings_for(model, mesh)
+    shardings = model_shardings(model, mesh)
     return path, ref.eval(), jax.device_put(model, shardings), mesh, shardings
 
 
@@ -101,7 +103,7 @@ def test_heldout_loss_matches_transformers_per_named_set(tiny, tmp_path, mode):
     write_tokens(tmp_path / "extra" / "a.npy", random_docs(rng, 4, 256))
     eval_cfg = EvalConfig(heldout=(str(tmp_path / "v3_small"), f"pile={tmp_path}/extra/*.npy"),
                           heldout_instances=mode)
-    evaluate, names = evals.build_evaluator(eval_cfg, DataConfig(), model.cfg, mesh=mesh, model_shardings=shardings,
+    evaluate, names = build_evaluator(eval_cfg, DataConfig(), model.cfg, mesh=mesh, model_shardings=shardings,
                                             batch_size=BATCH, seq_len=SEQ, max_instances=0)
     assert names == ["c4_en", "wikitext_103", "pile"]
     got = evaluate(model)
@@ -117,14 +119,14 @@ def test_heldout_loss_matches_transformers_per_named_set(tiny, tmp_path, mode):
 def test_default_set_is_the_data_heldout_split_and_names_parse(tmp_path):
     write_tokens(tmp_path / "h" / "x.npy", np.arange(100))
     data = DataConfig(paths=(str(tmp_path / "h" / "x.npy"),), heldout_paths=(str(tmp_path / "h"),))
-    assert evals.heldout_sets(EvalConfig(), data) == {"heldout": [str(tmp_path / "h" / "x.npy")]}
+    assert heldout.heldout_sets(EvalConfig(), data) == {"heldout": [str(tmp_path / "h" / "x.npy")]}
     # A directory holding .npy files directly is one set named after it; a repeated name adds files.
-    sets = evals.heldout_sets(EvalConfig(heldout=(str(tmp_path / "h"), f"h={tmp_path}/h/x.npy")), data)
+    sets = heldout.heldout_sets(EvalConfig(heldout=(str(tmp_path / "h"), f"h={tmp_path}/h/x.npy")), data)
     assert sets == {"h": [str(tmp_path / "h" / "x.npy")] * 2}
     with pytest.raises(ConfigError, match="name=path"):
-        evals.parse_named(["=x"], "eval.heldout")
+        parse_named(["=x"], "eval.heldout")
     with pytest.raises(ConfigError, match="neither"):
-        evals.heldout_sets(EvalConfig(heldout=(str(tmp_path / "nope"),)), data)
+        heldout.heldout_sets(EvalConfig(heldout=(str(tmp_path / "nope"),)), data)
     with pytest.raises(ConfigError, match="non-negative"):
         EvalConfig(batches=-1)
 
@@ -144,10 +146,10 @@ def hf_choice_logprob(ref, context: str, continuation: str, max_len: int) -> tup
 
 def test_choice_loglikelihoods_answers_and_metrics_match_transformers(tiny):
     _, ref, model, mesh, shardings = tiny
-    task = evals.Task.load("tiny_mc", str(FIXTURE), evals.Tokenizer.load("bytes"), max_len=MAX_LEN,
+    task = tasks.Task.load("tiny_mc", str(FIXTURE), tasks.Tokenizer.load("bytes"), max_len=MAX_LEN,
                            vocab_size=model.cfg.vocab_size)
-    runner = evals.Runner.make(mesh, shardings, BATCH)
-    ours, greedy = evals.score_requests(runner, model, task.requests, max_len=MAX_LEN, pad_id=257)
+    scorer = ShardedScorer(mesh, shardings, BATCH)
+    ours, greedy = scorer.score_requests(model, task.requests, max_len=MAX_LEN, pad_id=257)
     want = [hf_choice_logprob(ref, e.context, c, MAX_LEN) for e in task.examples for c in e.continuations]
     np.testing.assert_allclose(ours, [w for w, _ in want], rtol=1e-5, atol=2e-4)
     assert list(greedy) == [g for _, g in want]
@@ -164,16 +166,16 @@ def test_choice_loglikelihoods_answers_and_metrics_match_transformers(tiny):
         acc_char += np.argmax(ll / np.array([len(c) for c in e.continuations])) == e.gold
         bpb += -ll[e.gold] / math.log(2) / len(e.continuations[e.gold].encode())
     n = len(task.examples)
-    got = evals.evaluate_task(runner, model, task, max_len=MAX_LEN, pad_id=257)
+    got = scorer.evaluate_task(model, task, max_len=MAX_LEN, pad_id=257)
     assert got["acc"] == pytest.approx(acc / n)
     assert got["acc_per_char"] == pytest.approx(acc_char / n)
     assert got["bpb"] == pytest.approx(bpb / n, rel=1e-5)
 
 
 def test_acc_per_char_and_bpb_by_hand():
-    examples = [evals.Example("a", "ctx", (" a", " bbbbbb"), 1),  # raw picks 0; per char -1 vs -0.5 picks 1
-                evals.Example("b", "ctx", (" x", " é"), 0)]  # " é" is 2 characters but 3 bytes
-    m = evals.task_metrics(examples, [-2.0, -3.5, -1.0, -4.0])
+    examples = [tasks.Example("a", "ctx", (" a", " bbbbbb"), 1),  # raw picks 0; per char -1 vs -0.5 picks 1
+                tasks.Example("b", "ctx", (" x", " é"), 0)]  # " é" is 2 characters but 3 bytes
+    m = tasks.task_metrics(examples, [-2.0, -3.5, -1.0, -4.0])
     assert m["acc"] == 0.5 and m["acc_per_char"] == 1.0
     assert m["bpb"] == pytest.approx((3.5 / 7 + 1.0 / 2) / math.log(2) / 2)
 
@@ -182,19 +184,19 @@ def test_task_files_fewshot_and_errors(tmp_path):
     f = tmp_path / "arc_easy.jsonl"
     f.write_text('{"fewshot": "Q: 1+1?\\nA: 2\\n\\n"}\n'
                  '{"id": "x", "context": "Q: 2+2?\\nA:", "continuations": [" 4", " 5"], "gold": 0}\n')
-    assert evals.task_files([str(f)]) == {"arc_easy": str(f)}
-    [e] = evals.load_task(f)
+    assert tasks.task_files([str(f)]) == {"arc_easy": str(f)}
+    [e] = tasks.load_task(f)
     assert e.context == "Q: 1+1?\nA: 2\n\nQ: 2+2?\nA:" and e.continuations == (" 4", " 5")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "c", "continuations": [" a", " b"], "gold": 2}\n')
-    with pytest.raises(evals.TaskError, match="bad.jsonl line 1: gold"):
-        evals.load_task(bad)
-    with pytest.raises(evals.TaskError, match="does not exist"):
-        evals.task_files([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(tasks.TaskError, match="bad.jsonl line 1: gold"):
+        tasks.load_task(bad)
+    with pytest.raises(tasks.TaskError, match="does not exist"):
+        tasks.task_files([str(tmp_path / "missing.jsonl")])
     big = tmp_path / "big.jsonl"
     big.write_text(json.dumps({"context": "\U0001F600", "continuations": [" a", " b"], "gold": 0}) + "\n")
-    with pytest.raises(evals.TaskError, match="vocab_size 200"):  # byte 0xF0 = 240 >= 200
-        evals.Task.load("big", str(big), evals.Tokenizer.load("bytes"), max_len=64, vocab_size=200)
+    with pytest.raises(tasks.TaskError, match="vocab_size 200"):  # byte 0xF0 = 240 >= 200
+        tasks.Task.load("big", str(big), tasks.Tokenizer.load("bytes"), max_len=64, vocab_size=200)
 
 
 # --- the CLI and the loop -------------------------------------------------------------------------
@@ -296,10 +298,10 @@ def test_lm_eval_harness_runs_offline_on_our_checkpoint(tiny, tmp_path, monkeypa
     lm = OLMo3EqxLM(ckpt=str(path), tokenizer="bytes", max_length=MAX_LEN, batch_size=1)
     results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(
         include_path=str(tmp_path / "tasks"), include_defaults=False), log_samples=True)
-    task = evals.Task.load("tiny_mc", str(FIXTURE), evals.Tokenizer.load("bytes"), max_len=MAX_LEN,
+    task = tasks.Task.load("tiny_mc", str(FIXTURE), tasks.Tokenizer.load("bytes"), max_len=MAX_LEN,
                            vocab_size=model.cfg.vocab_size)
-    runner = evals.Runner.make(mesh, shardings, BATCH)
-    ours = evals.evaluate_task(runner, model, task, max_len=MAX_LEN, pad_id=257)
+    scorer = ShardedScorer(mesh, shardings, BATCH)
+    ours = scorer.evaluate_task(model, task, max_len=MAX_LEN, pad_id=257)
     assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(ours["acc"])
     # Every per-choice log-likelihood the harness saw is HF's.
     for sample in results["samples"]["tiny_mc"]:

@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from olmo3eqx import checkpoint, hf
-from olmo3eqx.convert import main, save_tiny_hf_model
+from olmo3eqx.tools.convert import main, save_tiny_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

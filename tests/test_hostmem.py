@@ -1,4 +1,4 @@
-"""The host allocator train.py runs under (olmo3eqx/hostmem.py): when it re-executes itself with tcmalloc, when it
+"""The host allocator train.py runs under (olmo3eqx/tools/hostmem.py): when it re-executes itself with tcmalloc, when it
 does not, and a real re-exec in a subprocess (same PID, same arguments, tcmalloc mapped)."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from olmo3eqx import hostmem
+from olmo3eqx.tools import hostmem
 
 ROOT = Path(__file__).resolve().parents[1]
 TC = "libtcmalloc_minimal.so.4"
 
 
 def plan(env=None, *, loaded=None, accelerator=False, tcmalloc=TC, platform="linux"):
-    return hostmem.plan(env or {}, loaded=loaded, accelerator=accelerator, tcmalloc=tcmalloc, platform=platform)
+    return hostmem.choose_allocator(env or {}, loaded=loaded, accelerator=accelerator, tcmalloc=tcmalloc, platform=platform)
 
 
 def test_cpu_linux_host_with_tcmalloc_installed_reexecutes_with_it():
@@ -84,7 +84,7 @@ def test_accelerator_detection_follows_jax_platforms_first():
 
 SCRIPT = """
 import json, os, sys
-from olmo3eqx import hostmem
+from olmo3eqx.tools import hostmem
 hostmem.reexec_with_caching_malloc()
 print(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "loaded": hostmem.loaded_allocator(),
                   "line": hostmem.describe()}))

@@ -2,7 +2,7 @@
 
 import sys
 
-from olmo3eqx.supervise import run_until_done
+from olmo3eqx.tools.supervise import run_until_done
 from olmo3eqx.train import child_args
 
 

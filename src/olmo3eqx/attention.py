@@ -10,9 +10,9 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
 - "blocked": window-aware blocks in plain einsums (XLA differentiates them). Queries go in blocks of C positions.
   A sliding layer's block sees only the key blocks that can reach it, T x (W + C) scores instead of T x T;
   a global layer's query block i sees key blocks 0..i, so the masked upper triangle is mostly never computed.
-  Heads-major layout, so every matmul is a canonical batched matmul. Forward+backward on the 2-core CPU
-  (bench/bench_attention.py): 1.6x (sliding, W = T/4) and 1.7x (global) faster than "xla" at the tiny config's
-  shapes; 1.3x / 1.9x at W = T/2 (seq 512, 10 heads). The same algorithm accelerators want.
+  Heads-major layout, so every matmul is a canonical batched matmul. It computes a fraction of the scores "xla"
+  computes, so it is the faster one wherever the window is shorter than the sequence (bench/bench_attention.py
+  times both; README "Performance"). The same algorithm accelerators want.
 - "auto": cudnn on GPU, blocked elsewhere.
 """
 

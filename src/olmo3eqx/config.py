@@ -1,7 +1,7 @@
 """Frozen configuration dataclasses: YAML preset -> dataclass -> tyro flags.
 
 Field names follow `transformers.Olmo3Config` where one exists, so a `config.json` maps field to field.
-Defaults are the OLMo 3 7B stage-1 recipe (RECIPE.md); `configs/tiny.yaml` is the CPU default run.
+Defaults are the OLMo 3 7B stage-1 recipe (configs/olmo3-7b-stage1.yaml); `configs/tiny.yaml` is the CPU default run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import yaml
@@ -247,7 +248,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out LM loss on named token sets and downstream multiple-choice tasks (olmo3eqx.evals), in the loop
+    """Held-out LM loss on named token sets and downstream multiple-choice tasks (olmo3eqx.evaluator), in the loop
     and from `python -m olmo3eqx.eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/<task>/acc,
     eval/<task>/acc_per_char, eval/<task>/bpb."""
 
@@ -263,7 +264,7 @@ class EvalConfig:
     """packed: seq_len consecutive tokens, documents running together (as in training); document: OLMo's padded
     layout for its perplexity sets, each document its own instance (split every seq_len tokens, padding unscored)."""
     tasks: tuple[str, ...] = ()
-    """Multiple-choice task files (JSONL of context, continuations, gold, id; see olmo3eqx.evals), as 'path'
+    """Multiple-choice task files (JSONL of context, continuations, gold, id; see olmo3eqx.tasks), as 'path'
     (named after the file) or 'name=path'. Empty: no tasks in the loop."""
     tokenizer: str = "bytes"
     """Tokenizer of the task texts: 'bytes' (the built-in byte tokenizer of the default corpus) or a
@@ -358,6 +359,20 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.name
+
+
+def parse_named(entries: Sequence[str], what: str) -> list[tuple[str | None, str]]:
+    """'name=pattern' -> (name, pattern); a bare 'pattern' -> (None, pattern)."""
+    out = []
+    for entry in entries:
+        name, sep, pattern = entry.partition("=")
+        if not sep:
+            out.append((None, entry))
+            continue
+        if not name or "/" in name or not pattern:
+            raise ConfigError(f"{what} entry {entry!r} must be 'name=path' with a name free of '/', or a path.")
+        out.append((name, pattern))
+    return out
 
 
 # --- YAML <-> dataclass ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from olmo3eqx import flops
 from olmo3eqx.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -74,6 +75,68 @@ class PendingMetrics:
 
     def result(self) -> dict[str, int | float]:
         return fetch(self._metrics)
+
+
+class MetricsQueue:
+    """The one-step-late fetch of a training loop. `push(step, metrics)` queues step t's device metrics (starting
+    their copy to the host) and returns step t-1's, fetched: by then step t is dispatched, so the host never
+    stalls the device. `flush()` returns what is queued now (before a checkpoint or an evaluation must know the
+    state is finite). Both give (step, values) or None when nothing was queued."""
+
+    def __init__(self):
+        self._pending: PendingMetrics | None = None
+
+    def push(self, step: int, metrics: Mapping[str, Any]) -> tuple[int, dict[str, int | float]] | None:
+        previous, self._pending = self._pending, PendingMetrics(step, metrics)
+        return None if previous is None else (previous.step, previous.result())
+
+    def flush(self) -> tuple[int, dict[str, int | float]] | None:
+        previous, self._pending = self._pending, None
+        return None if previous is None else (previous.step, previous.result())
+
+
+class ThroughputMeter:
+    """Throughput between consecutive `measure(step)` calls: perf/tokens_per_s, perf/tflops_per_device and, with
+    a known peak, perf/mfu. The first call only starts the clock (the steps before it include compilation)."""
+
+    def __init__(self, *, start_step: int, tokens_per_step: int, flops_per_token: float, num_devices: int,
+                 peak_flops: float | None):
+        self.step, self.time = start_step, None
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.num_devices, self.peak_flops = num_devices, peak_flops
+
+    def measure(self, step: int) -> dict[str, float]:
+        now = time.perf_counter()
+        out = {}
+        if self.time is not None and step > self.step:
+            tps = (step - self.step) * self.tokens_per_step / (now - self.time)
+            out["perf/tokens_per_s"] = tps
+            out["perf/tflops_per_device"] = tps * self.flops_per_token / self.num_devices / 1e12
+            mfu = flops.mfu(tps, self.flops_per_token, self.num_devices, self.peak_flops)
+            if mfu is not None:
+                out["perf/mfu"] = mfu
+        self.time, self.step = now, step
+        return out
+
+
+class IndexLog:
+    """With `enabled`, appends {"step", "index"} (the global instance ids of each step's batch) to
+    run_dir/indices/process_<i>.jsonl, one line per step, across resumes like metrics.jsonl; a no-op otherwise."""
+
+    def __init__(self, run_dir: str | Path, process_index: int, enabled: bool):
+        self._file = None
+        if enabled:
+            (Path(run_dir) / "indices").mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(run_dir) / "indices" / f"process_{process_index}.jsonl", "a", buffering=1)
+
+    def write(self, step: int, index: np.ndarray) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "index": index.tolist()}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _json_value(v: int | float) -> int | float | None:

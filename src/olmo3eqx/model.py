@@ -1,8 +1,9 @@
 """OLMo 3 as pure Equinox modules.
 
 Modules act on one example (`tokens: Int[Array, "seq"]`) or on a batch given as leading axes (`"*batch seq"`),
-which the train step uses: every projection then runs as one [(batch seq), d] matmul, whose backward XLA's CPU
-backend runs without the transposed copies a vmapped [batch, seq, d] contraction costs (~20% of a tiny step).
+which the train step and the evaluator use: every projection then runs as one [(batch seq), d] matmul, whose
+backward XLA's CPU backend runs without the transposed copies a vmapped [batch, seq, d] contraction costs
+(bench/bench_step.py measures the step).
 Linear weights are stored [in, out]. Layers are stacked along a leading axis of every block leaf and run
 as a `lax.scan` over the repeating period of `layer_types` (OLMo 3: 3 sliding + 1 global), so compile
 time does not grow with depth; a pattern with no period shorter than the depth, or one that repeats too few
@@ -26,10 +27,9 @@ DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float1
 
 MAX_UNROLLED_GROUPS = {"none": 2}
 """Per remat policy, a pattern that repeats at most this many times is unrolled even with scan_layers (1 for policies
-not listed: any repeat scans). With remat none, which stacks ~50 residuals per layer in a scan, the unrolled step at
-8 layers (2 periods) compiled faster (8.0 s vs 11.5 s, bench_compile.py) and ran 10-20% faster on the 2-core CPU.
-With dots, which saves only the matmul outputs, the 2-period scan ran faster than the unrolled layers (bench_step's
-small config: 311-316 vs 263-273 tok/s in two interleaved A/B runs) and compiled faster (10.4 s vs 11.7 s)."""
+not listed: any repeat scans). Remat none stacks ~50 residuals per layer in a scan, which costs more than a scan
+over two periods saves; with dots only the matmul outputs are stacked and the scan pays from two periods on.
+bench/bench_compile.py and bench/bench_step.py measure both (README "Performance")."""
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -104,6 +104,11 @@ def tree_shardings(tree, mesh: Mesh):
         lambda path, x: NamedSharding(mesh, partition_spec(path, tuple(x.shape), mesh)), tree)
 
 
+def model_shardings(model, mesh: Mesh):
+    """The training rule applied to a model's arrays (to evaluate a loaded checkpoint where training would put it)."""
+    return tree_shardings(eqx.filter(model, eqx.is_array), mesh)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 

@@ -1,25 +1,31 @@
-"""The training loop: config -> mesh -> state (fresh, resumed or initialised from a checkpoint) -> steps.
+"""The training loop and the dry run, from the same Layout: config -> layout -> state (fresh, resumed or
+initialised from a checkpoint) -> steps.
 
-Step numbering (DESIGN.md): step s (1-based) applies update s using global batch s-1 and logs its loss as
-`step: s`; `checkpoints/N/` holds the state after N updates and a data state that consumed N batches.
+Step numbering (README "Checkpoints and exact resume"): step s (1-based) applies update s using global batch s-1
+and logs its loss as `step: s`; `checkpoints/N/` holds the state after N updates and a data state that consumed
+N batches. Only the standard library is imported at module level, so `--until-done` and the host-allocator
+re-exec start without JAX.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import collections
 import math
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from olmo3eqx import exits
+
+if TYPE_CHECKING:
+    from olmo3eqx.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: interrupted by SIGTERM/SIGINT after writing a checkpoint; relaunch to resume
-EXIT_NONFINITE = 3
-EXIT_USAGE = 2
 
 USAGE = """Train OLMo 3 with olmo3eqx. YAML gives the defaults, flags override any field.
 
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg, opts = parse_args(argv)
     if opts.until_done:
-        from olmo3eqx.supervise import run_until_done
+        from olmo3eqx.tools.supervise import run_until_done
 
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
                               backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
@@ -93,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(cfg.dist)
         if cfg.dry_run:
             dry_run(cfg)
-            return 0
+            return exits.OK
         return train(cfg)
     except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError) as e:
         # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
         print(f"error{process_tag()}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exits.BAD_INPUT
     except BaseException:
         tag = process_tag()
         if tag:  # which process failed, for logs interleaved from many hosts
@@ -161,7 +167,7 @@ def dry_run(cfg) -> None:
 
 
 class Preemption:
-    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with EXIT_PREEMPTED.
+    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with exits.PREEMPTED.
 
     With several processes, JAX's own preemption notifier (installed by `jax.distributed`) catches SIGTERM and the
     coordination service picks one step at which every process stops (`reached_preemption_sync_point`); a local
@@ -196,184 +202,164 @@ class Preemption:
             signal.signal(sig, old)
 
 
-def train(cfg) -> int:
+class NonFiniteLoss(Exception):
+    """Step `step`'s loss or gradient norm is NaN or infinite."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float):
+        super().__init__(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm})")
+        self.step = step
+
+
+def train(cfg: TrainConfig) -> int:
+    """Run (or resume) the training `cfg` describes; returns the process exit code."""
     import jax
 
-    from olmo3eqx import checkpoint as ckpt_lib
-    from olmo3eqx import data as data_lib
-    from olmo3eqx import flops, metrics
+    from olmo3eqx import distributed, flops, metrics
+    from olmo3eqx.checkpoint import Checkpointer
     from olmo3eqx.config import dump_yaml, to_dict
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
+    from olmo3eqx.tools import hostmem
 
     primary = jax.process_index() == 0
-    run_dir = cfg.run_dir
     if primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, run_dir / "config.yaml")
-    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
-    say = log.print if primary else (lambda m: None)
-    from olmo3eqx import distributed, hostmem
-
-    say(distributed.describe())
-    say(hostmem.describe())
-
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, cfg.run_dir / "config.yaml")
+    log = metrics.MetricsLogger(cfg.run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
+    log.print(distributed.describe())
+    log.print(hostmem.describe())
     layout = build_layout(cfg)
-    say(layout.describe())
-
-    checkpointer = ckpt_lib.Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                         keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
-    resumed = checkpointer.restore_latest(layout.state_target(), cfg.model, warn=say)
-    if resumed is not None:
-        start, state, data_state = resumed
-        say(f"resumed from {checkpointer.directory / str(start)}")
-    else:
-        start, data_state = 0, None
-        state = layout.init_state(cfg)
-        if cfg.init_from:
-            state = ckpt_lib.init_from(cfg.init_from, state, layout.state_target(), with_optimizer=cfg.init_optimizer)
-            say(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
-    if start >= cfg.steps:
-        say(f"checkpoint step {start} already reaches steps={cfg.steps}: nothing to do.")
+    log.print(layout.describe())
+    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
+    index_log = metrics.IndexLog(cfg.run_dir, jax.process_index(), cfg.log.indices)
+    try:
+        start, state, data_state = starting_point(cfg, layout, checkpointer, log.print)
+        if start >= cfg.steps:
+            log.print(f"checkpoint step {start} already reaches steps={cfg.steps}: nothing to do.")
+            return exits.OK
+        data = train_data(cfg, start, data_state)
+        evaluator = loop_evaluator(cfg, layout, log)  # held-out sets and task files checked before step 1
+        train_step = make_train_step(cfg, layout)
+        queue = metrics.MetricsQueue()
+        report = Reporter(cfg, log, metrics.ThroughputMeter(
+            start_step=start, tokens_per_step=cfg.data.global_batch * cfg.data.seq_len,
+            flops_per_token=flops.train_flops_per_token(cfg.model, cfg.data.seq_len),
+            num_devices=jax.device_count(), peak_flops=flops.peak_flops(jax.devices()[0])), first_step=start + 1)
+        config_dict = to_dict(cfg)
+        if start == 0 and evaluator is not None:
+            evaluator.run(0, state.model)  # the start of the held-out curves
+        with Preemption(jax.process_count() > 1) as preemption:
+            for step in range(start + 1, cfg.steps + 1):
+                batch = next(data)
+                index_log.write(step, batch["index"])
+                state, step_metrics = train_step(state, *layout.put_batch(batch))
+                report(queue.push(step, step_metrics))
+                stop = preemption.check(step)
+                save_due = step % cfg.checkpoint.every == 0 or step == cfg.steps or stop is not None
+                eval_due = evaluator is not None and evaluator.due(step)
+                if save_due or eval_due:
+                    report(queue.flush())  # never checkpoint or evaluate a non-finite state
+                if eval_due:
+                    evaluator.run(step, state.model, report.recent_loss())
+                if save_due:
+                    checkpointer.save(step, state, data.get_state(), config_dict)
+                if stop is not None:
+                    log.print(f"{stop} received: checkpoint {step} written; exiting to be resumed.")
+                    return exits.PREEMPTED
+            report(queue.flush())
+        return exits.OK
+    except NonFiniteLoss as e:
+        kept = checkpointer.steps()
+        log.print(f"error: {e}; stopping. The last good checkpoint is "
+                  f"{checkpointer.directory / str(kept[-1]) if kept else 'none'}: lower optim.lr, enable "
+                  f"optim.spike_guard, or inspect the data around batch {e.step - 1}.")
+        return exits.NONFINITE
+    finally:
+        index_log.close()
         checkpointer.close()
         log.close()
-        return 0
 
-    data_it = data_lib.build_train_iterator(
+
+def starting_point(cfg: TrainConfig, layout, checkpointer, note):
+    """(steps done, train state, data-iterator state or None): resumed from the newest checkpoint that loads, else
+    fresh (with init_from's weights, and moments with init_optimizer)."""
+    from olmo3eqx import checkpoint
+
+    resumed = checkpointer.restore_latest(layout.state_target(), cfg.model, warn=note)
+    if resumed is not None:
+        start, state, data_state = resumed
+        note(f"resumed from {checkpointer.directory / str(start)}")
+    else:
+        start, state, data_state = 0, layout.init_state(cfg), None
+        if cfg.init_from:
+            state = checkpoint.init_from(cfg.init_from, state, layout.state_target(),
+                                         with_optimizer=cfg.init_optimizer)
+            note(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
+    return start, state, data_state
+
+
+def train_data(cfg: TrainConfig, start: int, data_state: dict | None):
+    """This process's iterator over the global batches, positioned at batch `start`."""
+    import jax
+
+    from olmo3eqx.data import DataError, build_train_iterator
+
+    data = build_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.run.seed,
         shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=cfg.token_vocab_size,
         state=data_state)
-    if data_it.batches_consumed != start:
-        raise SystemExit(f"error: the data state of checkpoint {start} has consumed {data_it.batches_consumed} "
-                         f"batches instead of {start}; the checkpoint is inconsistent.")
-
-    train_step = make_train_step(cfg, layout)
-
-    flops_per_token = flops.train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = flops.peak_flops(jax.devices()[0])
-    tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-    config_dict = to_dict(cfg)
-
-    def save(step: int) -> None:
-        checkpointer.save(step, state, data_it.get_state(), config_dict)
-
-    from olmo3eqx import evals
-
-    # Held-out sets and task files are opened and checked here, before the first step.
-    evaluate_model, heldout_names = None, []
-    if cfg.eval.every:
-        evaluate_model, heldout_names = evals.build_evaluator(
-            cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
-            batch_size=layout.plan.micro_batch,
-            seq_len=cfg.data.seq_len, max_instances=cfg.eval.batches * cfg.data.global_batch)
-
-    watcher = MemorisationWatch(cfg.eval.memorisation_gap)
-    timer = {"time": None, "step": start}
-
-    def report(p: metrics.PendingMetrics) -> int:
-        """Fetch step p's metrics; log them every log.every steps; EXIT_NONFINITE on a NaN/Inf loss."""
-        values = p.result()
-        if not (math.isfinite(values["train/loss"]) and math.isfinite(values["train/grad_norm"])):
-            kept = checkpointer.steps()
-            say(f"error: non-finite loss or gradient norm at step {p.step} (loss {values['train/loss']}, grad norm "
-                f"{values['train/grad_norm']}); stopping. The last good checkpoint is "
-                f"{checkpointer.directory / str(kept[-1]) if kept else 'none'}: lower optim.lr, enable "
-                f"optim.spike_guard, or inspect the data around batch {p.step - 1}.")
-            return EXIT_NONFINITE
-        watcher.add_train(values["train/loss"])
-        if p.step % cfg.log.every == 0 or p.step == cfg.steps or p.step == start + 1:
-            now = time.perf_counter()
-            values["train/tokens"] = p.step * tokens_per_step
-            if timer["time"] is not None and p.step > timer["step"]:
-                tps = (p.step - timer["step"]) * tokens_per_step / (now - timer["time"])
-                values["perf/tokens_per_s"] = tps
-                values["perf/tflops_per_device"] = tps * flops_per_token / jax.device_count() / 1e12
-                m = flops.mfu(tps, flops_per_token, jax.device_count(), peak)
-                if m is not None:
-                    values["perf/mfu"] = m
-            timer["time"], timer["step"] = now, p.step
-            log.log(p.step, values)
-        return 0
-
-    index_log = None
-    if cfg.log.indices:  # which data this run saw, per process (appends across resumes, like metrics.jsonl)
-        (run_dir / "indices").mkdir(parents=True, exist_ok=True)
-        index_log = open(run_dir / "indices" / f"process_{jax.process_index()}.jsonl", "a", buffering=1)
-    if start == 0 and evaluate_model is not None:  # the starting point of the held-out curves, as step 0
-        ev = evaluate_model(state.model)
-        log.log(0, ev)
-        say(f"eval step 0: {evals.summary(ev)}")
-    pending = None
-    status = 0
-    step = start
-    with Preemption(jax.process_count() > 1) as preempt:
-        try:
-            for step in range(start + 1, cfg.steps + 1):
-                batch = next(data_it)
-                if index_log is not None:
-                    index_log.write(json.dumps({"step": step, "index": batch["index"].tolist()}) + "\n")
-                state, step_metrics = train_step(state, *layout.put_batch(batch))
-                current = metrics.PendingMetrics(step, step_metrics)
-                if pending is not None:  # step t's metrics are read after step t+1 is dispatched
-                    status = report(pending)
-                    if status:
-                        break
-                pending = current
-                stop = preempt.check(step)
-                boundary = step % cfg.checkpoint.every == 0 or step == cfg.steps or stop
-                eval_due = cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.steps)
-                if boundary or eval_due:
-                    status = report(pending)  # never checkpoint or evaluate a non-finite state
-                    pending = None
-                    if status:
-                        break
-                if eval_due:
-                    ev = evaluate_model(state.model)
-                    log.log(step, ev)
-                    say(f"eval step {step}: {evals.summary(ev)}")
-                    warning = watcher.update(ev[f"eval/{heldout_names[0]}/loss"])
-                    if warning:
-                        say(warning)
-                if boundary:
-                    save(step)
-                if stop:
-                    say(f"{stop} received: checkpoint {step} written; exiting to be resumed.")
-                    status = EXIT_PREEMPTED
-                    break
-            if pending is not None and not status:
-                status = report(pending)
-        finally:
-            if index_log is not None:
-                index_log.close()
-            checkpointer.close()
-            log.close()
-    return status
+    if data.batches_consumed != start:
+        raise DataError(f"The data state of checkpoint {start} has consumed {data.batches_consumed} batches instead "
+                        f"of {start}; the checkpoint is inconsistent.")
+    return data
 
 
-class MemorisationWatch:
-    """The reproduction's signature: training loss well below held-out loss for a sustained window."""
-
-    def __init__(self, gap: float, window: int = 3):
-        self.gap, self.window = gap, window
-        self.train_losses: list[float] = []
-        self.gaps: list[float] = []
-
-    def add_train(self, loss: float) -> None:
-        self.train_losses = (self.train_losses + [loss])[-20:]
-
-    def update(self, heldout: float) -> str | None:
-        if not self.train_losses:
-            return None
-        train = sum(self.train_losses) / len(self.train_losses)
-        self.gaps = (self.gaps + [heldout - train])[-self.window:]
-        if len(self.gaps) == self.window and min(self.gaps) > self.gap:
-            return (f"warning: train loss has been more than {self.gap} below held-out loss for {self.window} "
-                    f"evaluations (now {train:.4f} vs {heldout:.4f}): memorisation, or repeated data?")
+def loop_evaluator(cfg: TrainConfig, layout, log):
+    """The in-loop evaluator of eval.*, or None when eval.every is 0."""
+    if not cfg.eval.every:
         return None
+    from olmo3eqx.evaluator import LoopEvaluator, build_evaluator
+
+    evaluate, heldout_names = build_evaluator(
+        cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
+        batch_size=layout.plan.micro_batch, seq_len=cfg.data.seq_len,
+        max_instances=cfg.eval.batches * cfg.data.global_batch)
+    return LoopEvaluator(evaluate, heldout_names, every=cfg.eval.every, last_step=cfg.steps,
+                         gap=cfg.eval.memorisation_gap, log=log)
+
+
+class Reporter:
+    """Takes each step's fetched metrics: raises NonFiniteLoss on a NaN/Inf loss or gradient norm, logs every
+    log.every steps (and the first and last step) with train/tokens and the throughput since the last log line,
+    and keeps the recent losses the memorisation watch compares with held-out loss."""
+
+    RECENT = 20
+    """Steps whose mean is the recent train loss."""
+
+    def __init__(self, cfg: TrainConfig, log, meter, first_step: int):
+        self.log, self.meter, self.first_step = log, meter, first_step
+        self.every, self.last_step = cfg.log.every, cfg.steps
+        self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        self.losses: collections.deque[float] = collections.deque(maxlen=self.RECENT)
+
+    def __call__(self, fetched: tuple[int, dict] | None) -> None:
+        if fetched is None:
+            return
+        step, values = fetched
+        if not (math.isfinite(values["train/loss"]) and math.isfinite(values["train/grad_norm"])):
+            raise NonFiniteLoss(step, values["train/loss"], values["train/grad_norm"])
+        self.losses.append(values["train/loss"])
+        if step % self.every == 0 or step == self.last_step or step == self.first_step:
+            values["train/tokens"] = step * self.tokens_per_step
+            self.log.log(step, {**values, **self.meter.measure(step)})
+
+    def recent_loss(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
 
 
 if __name__ == "__main__":
-    from olmo3eqx.hostmem import reexec_with_caching_malloc
+    from olmo3eqx.tools.hostmem import reexec_with_caching_malloc
 
-    reexec_with_caching_malloc()  # as train.py does (olmo3eqx/hostmem.py); jax is not imported yet
+    reexec_with_caching_malloc()  # as train.py does (olmo3eqx/tools/hostmem.py); jax is not imported yet
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""Token data: prepare (text -> token files), source (files -> instances), pipeline (grain -> batches).
+"""Token data: prepare (text -> token files), source (files -> instances), pipeline (grain -> batches), heldout
+(named held-out sets and their instances).
 
 Exports resolve lazily so `python -m olmo3eqx.data.prepare` (and its worker processes) skip grain and JAX.
 """

@@ -90,7 +90,8 @@ def tokenizer_info(tokenizer: str, eos_id: int | None = None) -> dict:
 _TOKENIZERS: dict = {}
 
 
-def _encode(texts: list[bytes], tokenizer: str) -> list[np.ndarray]:
+def encode_texts(texts: list[bytes], tokenizer: str) -> list[np.ndarray]:
+    """Token ids of each text (no EOS added): bytes as ids 0..255, or a tokenizer.json's encoding."""
     if tokenizer == BYTES:
         return [np.frombuffer(t, np.uint8) for t in texts]
     if tokenizer not in _TOKENIZERS:
@@ -107,7 +108,7 @@ def tokenize_documents(texts: list[bytes], *, tokenizer: str, eos_id: int,
     """The documents' tokens, each document followed by EOS, concatenated."""
     parts = []
     eos = np.array([eos_id], dtype)
-    for ids in _encode(texts, tokenizer):
+    for ids in encode_texts(texts, tokenizer):
         parts += [ids.astype(dtype), eos]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 

@@ -61,7 +61,7 @@ def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= UINT16_MAX_VOCAB else np.uint32)
 
 
-def _file_dtype(path: str, token_dtype: str, vocab_size: int | None) -> np.dtype:
+def file_dtype(path: str, token_dtype: str, vocab_size: int | None) -> np.dtype:
     meta_path = Path(path).parent / METADATA
     meta_dtype = None
     if meta_path.is_file():
@@ -79,7 +79,7 @@ def _file_dtype(path: str, token_dtype: str, vocab_size: int | None) -> np.dtype
     return token_dtype_for_vocab(vocab_size)
 
 
-def _check_ids(path: str, tokens: np.ndarray, vocab_size: int | None) -> None:
+def check_ids(path: str, tokens: np.ndarray, vocab_size: int | None) -> None:
     if vocab_size is not None and tokens.size and int(tokens.max()) >= vocab_size:
         raise DataError(
             f"Token file {path} holds token id {int(tokens.max())} >= vocab_size {vocab_size}; it was tokenized "
@@ -107,7 +107,7 @@ class TokenSource:
             if not os.path.isfile(path):
                 raise DataError(f"Token file {path} does not exist; fix {what} or create it with "
                                 f"python -m olmo3eqx.data.prepare.")
-            dtype = _file_dtype(path, token_dtype, vocab_size)
+            dtype = file_dtype(path, token_dtype, vocab_size)
             size = os.path.getsize(path)
             self.fingerprint.append([os.path.basename(path), size])
             if size % dtype.itemsize:
@@ -122,7 +122,7 @@ class TokenSource:
             tokens = np.memmap(path, dtype=dtype, mode="r")
             chunk = min(SAMPLE_TOKENS, tokens.size)
             for start in np.unique(np.linspace(0, tokens.size - chunk, SAMPLE_CHUNKS).astype(np.int64)):
-                _check_ids(path, tokens[start:start + chunk], vocab_size)
+                check_ids(path, tokens[start:start + chunk], vocab_size)
             self.paths.append(path)
             self._arrays.append(tokens)
             counts.append(n)
@@ -147,5 +147,5 @@ class TokenSource:
         # Ids were only sampled on open; a bad one would be clamped silently by the embedding gather.
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             row = int(np.argmax(out.max(axis=1) >= self.vocab_size))
-            _check_ids(self.paths[int(files[row])], out[row], self.vocab_size)
+            check_ids(self.paths[int(files[row])], out[row], self.vocab_size)
         return out

@@ -1,4 +1,4 @@
-"""resume_until_done: relaunch a training command after a crash or preemption until it finishes.
+"""run_until_done: relaunch a training command after a crash or preemption until it finishes.
 
 The run resumes from its newest checkpoint on every launch, so the supervisor only decides *whether* and *when*
 to launch again: at once after a preemption (exit 75), after `backoff_s` after a crash, never after an exit that
@@ -12,8 +12,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 3, 75
-FINAL = {EXIT_USAGE: "bad input", EXIT_NONFINITE: "non-finite loss"}
+from olmo3eqx import exits
+
+FINAL = {exits.BAD_INPUT: "bad input", exits.NONFINITE: "non-finite loss"}
+"""Exits a relaunch cannot fix."""
 
 
 def log(message: str) -> None:
@@ -31,7 +33,7 @@ def run_until_done(command: Sequence[str], *, backoff_s: float | int = 300.0, ma
         except KeyboardInterrupt:
             log("interrupted; not relaunching")
             return 130
-        if code == EXIT_OK:
+        if code == exits.OK:
             log("run finished")
             return code
         if code in FINAL:
@@ -41,7 +43,7 @@ def run_until_done(command: Sequence[str], *, backoff_s: float | int = 300.0, ma
             log(f"exit code {code}; {max_restarts} restarts used up; giving up")
             return code
         restarts += 1
-        if code == EXIT_PREEMPTED:
+        if code == exits.PREEMPTED:
             log(f"preempted (exit {code}); relaunching now (restart {restarts}/{max_restarts})")
         else:
             log(f"crashed (exit code {code}); relaunching in {backoff_s:g} s (restart {restarts}/{max_restarts})")

@@ -1,13 +1,11 @@
 """A caching malloc for XLA's CPU runtime: `python train.py` re-executes itself once with tcmalloc preloaded.
 
-Why: XLA's CPU runtime mallocs each step's temporary buffer (686 MiB for the tiny config, 2.0 GiB for bench_step's
-~50M config) and frees it when the step ends. glibc serves a block that large with `mmap` and gives it back with
-`munmap` on `free` (its mmap threshold tops out at 32 MiB), so every step faults the whole buffer in again, 4 KiB
-at a time, and the kernel zeroes every page: 185,000 faults and 0.29 s of kernel time in a 0.52 s tiny step on
-the project's 2-core CPU. tcmalloc keeps freed spans and hands the same pages to the next step: no faults, the
-tiny step 0.52 -> 0.35 s and the small one 2.37 -> 1.96 s, losses bit-identical; the price is RSS, which keeps
-about one more temporary buffer (peak RSS: tiny 1.3 -> 2.0 GiB, small 3.3 -> 4.9 GiB). Numbers and commands:
-README "Performance".
+Why: XLA's CPU runtime mallocs each step's temporary buffer (hundreds of MiB even for the tiny config) and frees it
+when the step ends. glibc serves a block that large with `mmap` and gives it back with `munmap` on `free` (its mmap
+threshold tops out at 32 MiB), so every step faults the whole buffer in again, 4 KiB at a time, and the kernel
+zeroes every page. tcmalloc keeps freed spans and hands the same pages to the next step: no faults, losses
+bit-identical; the price is RSS, which keeps about one more temporary buffer. Numbers and commands: README
+"Performance" (bench/bench_step.py --malloc).
 
 The allocator of a process is fixed when it starts, hence the re-exec (same PID, same arguments, LD_PRELOAD
 added). It happens only where it helps: Linux, no accelerator (there the step's buffers live on the device), no
@@ -25,6 +23,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from olmo3eqx import exits
+
 CHOICE = "OLMO3EQX_MALLOC"
 """`system` keeps the C library's malloc; a path to a shared library preloads that one; unset: tcmalloc if found."""
 REEXECED = "OLMO3EQX_MALLOC_REEXEC"
@@ -36,8 +36,8 @@ CACHING = ("libtcmalloc", "libjemalloc", "libmimalloc")
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 """tcmalloc reports every allocation over 1 GiB on stderr by default; XLA's temporary buffer is one every step."""
 JEMALLOC_CONF = {"MALLOC_CONF": "oversize_threshold:0"}
-"""jemalloc 5 serves blocks over 8 MiB from an arena that purges them at once, which is glibc's behaviour again (no
-gain measured: tiny 7,100-7,400 tok/s vs 7,800 under glibc); with this setting it caches them too (11,200)."""
+"""jemalloc 5 serves blocks over 8 MiB from an arena that purges them at once, which is glibc's behaviour again; with
+this setting it caches them too (bench/bench_step.py --malloc jemalloc measures it)."""
 ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 """Device files of NVIDIA GPUs, AMD GPUs and TPUs (accel on v4/v5e, vfio on v5p/v6e)."""
 
@@ -84,7 +84,7 @@ def preload_env(env: Mapping[str, str], library: str) -> dict[str, str]:
     return {**settings, **env, "LD_PRELOAD": f"{library}:{current}" if current else library}
 
 
-def plan(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmalloc: str | None,
+def choose_allocator(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmalloc: str | None,
          platform: str = sys.platform) -> tuple[str | None, str]:
     """(library to re-execute with or None, one line saying what the host allocator is and why)."""
     choice = env.get(CHOICE, "")
@@ -107,19 +107,19 @@ def plan(env: Mapping[str, str], *, loaded: str | None, accelerator: bool, tcmal
         return choice, f"host malloc: {choice} ({CHOICE})"
     if tcmalloc is None:
         return None, ("host malloc: the C library's, which re-faults XLA's temporary buffer every CPU step; "
-                      "install tcmalloc (`apt install libtcmalloc-minimal4`) for 1.2-1.5x faster CPU steps "
+                      "install tcmalloc (`apt install libtcmalloc-minimal4`) for faster CPU steps "
                       "(README \"Performance\")")
     return tcmalloc, f"host malloc: {tcmalloc}"
 
 
-def _plan_here() -> tuple[str | None, str]:
-    return plan(os.environ, loaded=loaded_allocator(), accelerator=has_accelerator(os.environ),
+def _choice_here() -> tuple[str | None, str]:
+    return choose_allocator(os.environ, loaded=loaded_allocator(), accelerator=has_accelerator(os.environ),
                 tcmalloc=find_tcmalloc())
 
 
 def describe() -> str:
     """One line for the run log: which host allocator this process has, and why."""
-    return _plan_here()[1]
+    return _choice_here()[1]
 
 
 def reexec_with_caching_malloc() -> None:
@@ -127,10 +127,10 @@ def reexec_with_caching_malloc() -> None:
     nothing to do. Call first thing in a script's `__main__` block, before jax is imported, never from library
     code: the exec replaces the whole process. A bad OLMO3EQX_MALLOC stops here with exit code 2 (bad input)."""
     try:
-        library, _ = _plan_here()
+        library, _ = _choice_here()
     except MallocChoiceError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(exits.BAD_INPUT) from None
     if library is None:
         return
     env = {**preload_env(os.environ, library), REEXECED: "1"}

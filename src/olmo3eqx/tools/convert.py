@@ -13,10 +13,9 @@ from typing import Literal
 
 import numpy as np
 
+from olmo3eqx import exits
 from olmo3eqx.config import ConfigError
 
-EXIT_BAD_INPUT = 2
-EXIT_PARITY_FAILED = 1
 
 Dtype = Literal["float32", "bfloat16"]
 
@@ -179,8 +178,8 @@ def main(args: list[str] | None = None) -> int:
         tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, description=__doc__.splitlines()[0])
     except (ConversionError, ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exits.BAD_INPUT
     except ParityFailed as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_PARITY_FAILED
+        return exits.PARITY_FAILED
     return 0

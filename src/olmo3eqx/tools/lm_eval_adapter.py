@@ -1,0 +1,108 @@
+"""lm-evaluation-harness adapter: olmo3eqx checkpoints as the `lm_eval` model "olmo3eqx".
+
+    pip install -e ".[lm-eval]"
+    python -m olmo3eqx.lm_eval_adapter --model olmo3eqx --model_args ckpt=runs/tiny,tokenizer=bytes --tasks ...
+
+(the harness's own CLI, with this model registered first), or from Python:
+
+    import lm_eval, olmo3eqx.lm_eval_adapter
+    lm_eval.simple_evaluate(model="olmo3eqx", model_args="ckpt=runs/tiny", tasks=["hellaswag"])
+
+Model arguments: `ckpt` (anything `python -m olmo3eqx.eval --ckpt` takes), `tokenizer` ('bytes' or a
+tokenizer.json; default: the run's eval.tokenizer, an HF directory's tokenizer.json, else bytes), `max_length`
+(default: the run's data.seq_len) and the harness's `batch_size`. Scoring is olmo3eqx.evaluator's jitted, bucketed,
+sharded scorer: `loglikelihood` sums the continuation's log-probabilities given the left-truncated context,
+`loglikelihood_rolling` scores a whole text in the harness's disjoint windows after an EOS prefix.
+`generate_until` is not supported (the harness's multiple-choice and perplexity tasks need none).
+"""
+
+from __future__ import annotations
+
+import sys
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:  # an optional extra
+    raise ImportError("The lm-evaluation-harness adapter needs the lm_eval package: "
+                      "pip install -e '.[lm-eval]' (or pip install lm_eval).") from e
+
+import numpy as np
+
+DEFAULT_BATCH = 4
+"""Sequences per device and jitted batch when the harness passes no batch size (or 'auto')."""
+
+
+@register_model("olmo3eqx")
+class OLMo3EqxLM(LM):
+    def __init__(self, ckpt: str, tokenizer: str | None = None, max_length: int | str | None = None,
+                 batch_size: int | str | None = None, **_harness_kwargs):
+        super().__init__()
+        import jax
+
+        from olmo3eqx.config import MeshConfig
+        from olmo3eqx.evaluator import ShardedScorer
+        from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
+        from olmo3eqx.tasks import Tokenizer
+        from olmo3eqx.tools.evaluate import DEFAULT_SEQ_LEN, load_any, run_config
+
+        model, cfg, stored, hf_tokenizer, _, _ = load_any(ckpt)
+        run = run_config(stored)
+        self.tokenizer = Tokenizer.load(tokenizer or (run.eval.tokenizer if run else hf_tokenizer or "bytes"))
+        self.max_length = int(max_length) if max_length else (
+            run.data.seq_len if run else min(DEFAULT_SEQ_LEN, cfg.max_position_embeddings))
+        mesh = make_mesh(MeshConfig())
+        per_device = int(batch_size) if str(batch_size or "").isdigit() else DEFAULT_BATCH
+        shardings = model_shardings(model, mesh)
+        self.model = jax.device_put(model, shardings)
+        self.cfg = cfg
+        self.scorer = ShardedScorer(mesh, shardings, per_device * data_parallel_size(mesh))
+
+    def _score(self, pairs: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        """(summed log-likelihood, greedy) of (context ids, continuation ids) pairs."""
+        from olmo3eqx.tasks import build_request
+
+        requests = [build_request(np.asarray(c, np.int64), np.asarray(k, np.int64), max_len=self.max_length,
+                                        eos_id=self.tokenizer.eos_id) for c, k in pairs]
+        if not requests:
+            return np.zeros(0), np.zeros(0, bool)
+        top = max(int(np.concatenate(r[:2]).max()) for r in requests)
+        if top >= self.cfg.vocab_size:
+            raise ValueError(f"Token id {top} from tokenizer {self.tokenizer.spec} is >= the model's vocab_size "
+                             f"{self.cfg.vocab_size}; pass the tokenizer the model was trained with.")
+        return self.scorer.score_requests(self.model, requests, max_len=self.max_length, pad_id=self.cfg.pad_token_id)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        contexts = self.tokenizer.encode([r.args[0] for r in requests])
+        continuations = self.tokenizer.encode([r.args[1] for r in requests])
+        logprob, greedy = self._score(list(zip(contexts, continuations)))
+        return [(float(lp), bool(g)) for lp, g in zip(logprob, greedy)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        texts = self.tokenizer.encode([r.args[0] for r in requests])
+        pairs, owner = [], []
+        for i, tokens in enumerate(texts):
+            for window in get_rolling_token_windows(tokens.tolist(), prefix_token=self.tokenizer.eos_id,
+                                                    max_seq_len=self.max_length, context_len=1):
+                pairs.append(make_disjoint_window(window))
+                owner.append(i)
+        logprob, _ = self._score(pairs)
+        totals = np.zeros(len(requests))
+        np.add.at(totals, np.asarray(owner, np.int64), logprob)
+        return [float(t) for t in totals]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("olmo3eqx's lm_eval adapter scores log-likelihoods only; generation tasks are "
+                                  "not supported.")
+
+
+def main() -> None:
+    """The harness's CLI with the olmo3eqx model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
