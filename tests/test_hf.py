@@ -185,7 +185,7 @@ def test_config_defaults_follow_transformers():
     assert cfg.sliding_window == ref.sliding_window
     assert list(cfg.layer_types) == ref.layer_types
     assert cfg.max_position_embeddings == ref.max_position_embeddings
-    assert cfg.pad_token_id == ref.pad_token_id
+    assert cfg.pad_token_id == cfg.eos_token_id == 2  # not Olmo3Config's pad 1: a missing PAD is the EOS
 
 
 @pytest.mark.parametrize("change, words", [
@@ -268,6 +268,61 @@ def test_missing_files_are_named(small_hf, tmp_path, capsys):
     assert rc == 2 and "model.safetensors" in _one_clear_line(err)
     rc, _, err = _cli(["orbax-to-hf", "--ckpt", tmp_path / "no_ckpt", "--out", tmp_path / "h"], capsys)
     assert rc == 2 and "no_ckpt" in _one_clear_line(err)
+
+
+# --- token ids are never guessed -------------------------------------------------------------------
+
+
+def _without_token_ids(src: Path, dst: Path, **files: dict) -> Path:
+    """A copy of `src` whose config.json names no token ids (null, as OLMo-core's save_hf_model writes them), plus
+    `files` ({file name: JSON object}) beside it."""
+    dst.mkdir()
+    d = json.loads((src / "config.json").read_text())
+    d.update(eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    (dst / "config.json").write_text(json.dumps(d))
+    (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    for name, content in files.items():
+        (dst / name).write_text(json.dumps(content))
+    return dst
+
+
+def test_missing_eos_is_refused_not_guessed(small_hf, tmp_path, capsys):
+    # With a 100k vocabulary transformers' fallback EOS (50279, OLMo 1's) fits the vocabulary: it was taken silently.
+    d = {"model_type": "olmo3", "vocab_size": 100352, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "eos_token_id": None}
+    with pytest.raises(hf.ConversionError, match="no eos_token_id.*--eos-token-id"):
+        hf.config_from_hf(d)
+    bare = _without_token_ids(small_hf, tmp_path / "bare")
+    rc, _, err = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c", "--skip-parity"], capsys)
+    assert rc == 2 and "--eos-token-id" in _one_clear_line(err) and not (tmp_path / "c").exists()
+    rc, _, _ = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c", "--eos-token-id", "3"], capsys)
+    assert rc == 0
+    cfg = checkpoint.load_model(tmp_path / "c")[1]
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (3, 3)
+    rc, _, _ = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c2", "--skip-parity", "--eos-token-id", "3",
+                     "--pad-token-id", "4"], capsys)
+    assert rc == 0 and checkpoint.load_model(tmp_path / "c2")[1].pad_token_id == 4
+
+
+def test_token_ids_from_generation_config_or_tokenizer(small_hf, tmp_path):
+    gen = _without_token_ids(small_hf, tmp_path / "gen", **{"generation_config.json": {"eos_token_id": [7, 9]}})
+    assert (hf.load_hf(gen)[1].eos_token_id, hf.load_hf(gen)[1].pad_token_id) == (7, 7)
+    tokenizer = {"tokenizer_config.json": {"eos_token": "<|endoftext|>", "pad_token": {"content": "<|pad|>"},
+                                           "added_tokens_decoder": {"11": {"content": "<|endoftext|>"}}},
+                 "tokenizer.json": {"added_tokens": [{"id": 12, "content": "<|pad|>"}]}}
+    tok = _without_token_ids(small_hf, tmp_path / "tok", **tokenizer)
+    cfg = hf.load_hf(tok)[1]
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (11, 12)
+
+
+def test_token_id_flag_contradicting_the_checkpoint_is_refused(small_hf, tmp_path, capsys):
+    eos = json.loads((small_hf / "config.json").read_text())["eos_token_id"]
+    rc, _, err = _cli(["hf-to-orbax", "--hf-dir", small_hf, "--out", tmp_path / "c", "--skip-parity",
+                       "--eos-token-id", str(eos + 5)], capsys)
+    assert rc == 2 and f"contradicts eos_token_id {eos}" in _one_clear_line(err)
+    rc, _, _ = _cli(["hf-to-orbax", "--hf-dir", small_hf, "--out", tmp_path / "c", "--skip-parity",
+                     "--eos-token-id", str(eos)], capsys)
+    assert rc == 0  # agreeing with the checkpoint is fine
 
 
 def test_token_outside_vocab_is_named(small_hf):

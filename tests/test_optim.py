@@ -1,5 +1,6 @@
-"""optim.py: the LR schedule at its boundaries, float32 moments (and why), decay mask, clipping,
-agreement with optax.adamw, and the spike guard."""
+"""optim.py: the LR schedules at their boundaries (against OLMo-core's schedulers, AI2's stage-1 curve included), float32
+moments (and why), decay mask, clipping, agreement with optax.adamw, and the spike guard (against OLMo-core's
+SkipStepAdamW, and across a checkpoint)."""
 
 import dataclasses
 import math
@@ -11,8 +12,13 @@ import numpy as np
 import optax
 import pytest
 
+import torch
+from olmo_core.optim import CosWithWarmup, HalfCosWithWarmup, LinearWithWarmup
+from olmo_core.optim.adamw import SkipStepAdamW
+
+from olmo3eqx import optim
 from olmo3eqx.config import ConfigError, OptimConfig
-from olmo3eqx.optim import (SpikeGuardState, apply_unless_skipped, decay_mask, global_norm, lr_schedule,
+from olmo3eqx.optim import (SpikeGuardState, apply_unless_skipped, decay_mask, global_norm, guard_update, lr_schedule,
                             make_optimizer, spike_check, spike_min_history)
 
 
@@ -65,6 +71,59 @@ def test_linear_with_warmup():
     lr_at = lr_schedule(cfg(lr=1.0, warmup_steps=4, final_lr_ratio=0.2, schedule="linear"), 14)
     got = [float(lr_at(s)) for s in (1, 4, 5, 9, 14)]
     np.testing.assert_allclose(got, [0.25, 1.0, 1 - 0.8 / 10, 1 - 0.8 / 2, 0.2], rtol=1e-6)
+
+
+# AI2's numbers, as their scripts write them (OLMo-core src/scripts/official/OLMo3/): GLOBAL_BATCH_SIZE = 8192 * 512 and
+# LR = 3e-4 in OLMo-3-1025-7B-pretrain-1.py / -pretrain-2.py; CosWithWarmup(warmup_steps=2000) over
+# Duration.tokens(int(5e12)) in pretrain-1.py; HalfCosWithWarmup(warmup_steps=original_max_steps // 2 +
+# original_warmup_steps // 2) over Duration.tokens(int(7e12)) in pretrain-2.py, original_max_steps = int(5e12) //
+# GLOBAL_BATCH_SIZE; the epoch ended at step 1,413,814 (OLMo-3-1025-7B.csv). OLMo-core's Trainer makes a token
+# duration ceil(tokens / batch tokens) steps, and its scheduler's `current` is the 1-based step.
+AI2_BATCH_TOKENS = 8192 * 512
+AI2_LR = 3e-4
+AI2_WARMUP = 2000
+AI2_STAGE1_END = 1413814
+
+
+def test_olmo3_stage1_schedule_is_ai2s_at_every_boundary():
+    cosine_t_max = math.ceil(int(5e12) / AI2_BATCH_TOKENS)
+    half_t_max = math.ceil(int(7e12) / AI2_BATCH_TOKENS)
+    switch = (int(5e12) // AI2_BATCH_TOKENS) // 2 + AI2_WARMUP // 2
+    assert (cosine_t_max, switch, half_t_max) == (1192093, 597046, 1668931)
+    assert optim.olmo3_stage1_switch_step(AI2_WARMUP) == switch
+    cosine, half = CosWithWarmup(warmup=AI2_WARMUP), HalfCosWithWarmup(warmup=switch)
+
+    def ai2(step):  # part 1 ran CosWithWarmup, part 2 HalfCosWithWarmup from the switch on
+        return (cosine.get_lr(AI2_LR, step, cosine_t_max) if step < switch
+                else half.get_lr(AI2_LR, step, half_t_max))
+
+    # `steps` does not bend it: the curve is AI2's whatever the run length.
+    lr_at = lr_schedule(cfg(lr=AI2_LR, warmup_steps=AI2_WARMUP, final_lr_ratio=0.1, schedule="olmo3-stage1"), 10)
+    boundaries = [1, 2, AI2_WARMUP - 1, AI2_WARMUP, AI2_WARMUP + 1, 100_000, 596_047, 596_048, switch - 1, switch,
+                  switch + 1, 1_000_000, cosine_t_max - 1, cosine_t_max, cosine_t_max + 1, AI2_STAGE1_END - 1,
+                  AI2_STAGE1_END, half_t_max - 1, half_t_max, half_t_max + 100]
+    for step in boundaries:
+        assert float(lr_at(step)) == pytest.approx(ai2(step), rel=1e-6), step
+    assert float(lr_at(AI2_WARMUP)) == pytest.approx(AI2_LR, rel=1e-7)
+    assert float(lr_at(switch)) == pytest.approx(1.65e-4, rel=1e-7)  # both curves meet at (1 + 0.1) / 2 of the peak
+    assert float(lr_at(switch - 1)) == pytest.approx(float(lr_at(switch)), rel=1e-5)  # no jump at the switch
+    assert float(lr_at(AI2_STAGE1_END)) == pytest.approx(3.93e-5, rel=2e-3)  # stopped above 3e-5, never annealed
+    assert float(lr_at(half_t_max)) == pytest.approx(3e-5, rel=1e-6)
+
+
+def test_cosine_and_linear_are_olmo_cores_schedulers():
+    """The stage-1 default (one cosine over the whole run, the reproduction's) is CosWithWarmup with t_max = steps;
+    stage 2 is LinearWithWarmup(warmup=0, alpha_f=0) over 47,684 steps."""
+    lr_at = lr_schedule(cfg(lr=AI2_LR, warmup_steps=AI2_WARMUP, final_lr_ratio=0.1), AI2_STAGE1_END)
+    ref = CosWithWarmup(warmup=AI2_WARMUP)
+    for step in (1, AI2_WARMUP - 1, AI2_WARMUP, AI2_WARMUP + 1, 700_000, AI2_STAGE1_END - 1, AI2_STAGE1_END):
+        assert float(lr_at(step)) == pytest.approx(ref.get_lr(AI2_LR, step, AI2_STAGE1_END), rel=1e-6), step
+    stage2_lr, stage2_steps = 2.0712352850360292e-4, 47684
+    lr_at = lr_schedule(cfg(lr=stage2_lr, warmup_steps=0, final_lr_ratio=0.0, schedule="linear"), stage2_steps)
+    ref = LinearWithWarmup(warmup=0, alpha_f=0.0)
+    for step in (1, 2, 23842, stage2_steps - 1):
+        assert float(lr_at(step)) == pytest.approx(ref.get_lr(stage2_lr, step, stage2_steps), rel=1e-6), step
+    assert float(lr_at(stage2_steps)) == ref.get_lr(stage2_lr, stage2_steps, stage2_steps) == 0.0
 
 
 def test_optimizer_applies_the_logged_lr():
@@ -237,10 +296,10 @@ def test_spike_is_skipped_and_normal_value_is_not():
     assert run_guard([(float("nan"), 1.0)], state=state)[0] == [True]
 
 
-def test_spike_guard_warm_up():
-    window = 128
-    need = spike_min_history(window)
-    assert need == 63
+@pytest.mark.parametrize("window, need", [(128, 63), (40, 19), (8, 3), (5, 1), (2, 1)])
+def test_spike_guard_warm_up(window, need):
+    """OLMo-core 3.0.0 judges once its list holds max(2, window // 2) values, the current one included."""
+    assert spike_min_history(window) == need
     skips, state = run_guard(normal_history(need - 1), window)
     assert run_guard([(1000.0, 1000.0)], window, state=state)[0] == [False]  # too little history
     skips, state = run_guard(normal_history(need), window)
@@ -267,3 +326,135 @@ def test_apply_unless_skipped():
     assert int(kept["n"]) == 1
     np.testing.assert_array_equal(taken["a"], new["a"])
     assert int(taken["n"]) == 2
+
+
+# --- the spike skip against OLMo-core's SkipStepAdamW ----------------------------------------------
+
+
+def spiky_series(steps: int, spikes: dict[int, tuple[float, float]], seed: int = 0) -> list[tuple[float, float]]:
+    """(CE, pre-clip grad norm) per 1-based step: a slowly falling loss with noise, `spikes` {step: (loss
+    offset, grad-norm offset)} added on top."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(1, steps + 1):
+        dl, dg = spikes.get(s, (0.0, 0.0))
+        out.append((3.0 - 0.002 * s + 0.01 * rng.standard_normal() + dl, 1.0 + 0.02 * rng.standard_normal() + dg))
+    return out
+
+
+SPIKE_SERIES = {
+    # window: (steps, {step: (loss offset, grad-norm offset)})
+    # Judged from step 2, which has one earlier value: its std is NaN (torch.std_mean) and the step is skipped, even
+    # with both values below the first.
+    4: (24, {2: (-0.5, -0.5), 3: (1.0, 0.0), 9: (0.0, 2.0), 10: (0.0, 2.0), 17: (2.0, 3.0)}),
+    # Judged from step 4; the spike of step 3 (warm-up) stays in the window and hides that of step 4.
+    8: (40, {3: (5.0, 0.0), 4: (5.0, 0.0), 12: (0.0, 1.0), 13: (0.5, 0.0), 30: (0.3, 0.5)}),
+    # Judged from step 20 (19 earlier values, where our old warm-up agreed); 21 hides behind 15 and 20; 80 is too small.
+    40: (90, {15: (2.0, 2.0), 20: (6.0, 0.0), 21: (0.0, 1.0), 65: (0.5, 0.0), 66: (0.0, 0.5), 80: (0.05, 0.05)}),
+    # AI2's window: judged from step 64; 195 and 196 come after 64 and 65 left the window.
+    128: (200, {50: (2.0, 2.0), 64: (6.0, 0.0), 65: (0.0, 1.0), 195: (1.0, 0.0), 196: (0.0, 0.5)}),
+}
+
+
+@pytest.mark.parametrize("window", list(SPIKE_SERIES))
+def test_spike_skip_is_skip_step_adamws(window):
+    """Same decision on the same (CE, grad norm) series as OLMo-core's SkipStepAdamW, and the same parameters, moments
+    and Adam count after every step; a skipped step leaves parameters and the whole optimizer state bit for bit as
+    they were, while the LR follows the step (the schedule advances over skipped steps)."""
+    steps, spikes = SPIKE_SERIES[window]
+    series = spiky_series(steps, spikes)
+    c = cfg(lr=1e-2, warmup_steps=3, no_decay=(), clip_grad_norm=0.0, spike_guard=True, spike_window=window)
+    lr_at = lr_schedule(c, steps)
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal((6, 5)).astype(np.float32)
+    grads = [rng.standard_normal((6, 5)).astype(np.float32) * 0.1 for _ in range(steps)]
+
+    w = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    ref = SkipStepAdamW([w], lr=c.lr, betas=(c.b1, c.b2), eps=c.eps, weight_decay=c.weight_decay,
+                        rolling_interval_length=window, sigma_factor=int(c.spike_sigma), foreach=True)
+
+    opt = make_optimizer(c, steps)
+    params = {"w": jnp.asarray(w0)}
+    opt_state, spike = opt.init(params), SpikeGuardState.init(window)
+
+    @jax.jit
+    def our_step(params, opt_state, spike, g, s, loss, gnorm):
+        updates, new_opt_state = opt.update({"w": g}, opt_state, params, step=s)
+        new = (optax.apply_updates(params, updates), new_opt_state)
+        skip, spike, (params, opt_state) = guard_update(c, spike, loss, gnorm, new, (params, opt_state))
+        return skip, params, opt_state, spike
+
+    ours_skipped, ref_skipped = [], []
+    for s, ((loss, gnorm), g) in enumerate(zip(series, grads), start=1):
+        ref.latest_loss, ref.latest_grad_norm = torch.tensor(loss), torch.tensor(gnorm)
+        w.grad = torch.from_numpy(g.copy())
+        ref.param_groups[0]["lr"] = float(lr_at(s))  # what OLMo-core's scheduler sets before optim.step()
+        before = w.detach().clone()
+        ref.step()
+        ref_skipped.append(bool(ref.step_skipped))
+        if ref_skipped[-1]:
+            assert torch.equal(w.detach(), before)
+
+        old_params, old_state = params, opt_state
+        skip, params, opt_state, spike = our_step(params, opt_state, spike, jnp.asarray(g), s, jnp.float32(loss),
+                                                  jnp.float32(gnorm))
+        ours_skipped.append(bool(skip))
+        if ours_skipped[-1]:
+            for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((old_params, old_state))):
+                np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(params["w"], w.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {s}")
+
+    assert ours_skipped == ref_skipped
+    assert sum(ours_skipped) >= 3, "the series must make the guard skip"
+    assert not all(ours_skipped[s - 1] for s, (dl, dg) in spikes.items() if dl > 0 or dg > 0), \
+        "and must also hold spikes it does not skip"
+    state = ref.state[w]
+    np.testing.assert_allclose(optax.tree.get(opt_state, "mu")["w"], state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(optax.tree.get(opt_state, "nu")["w"], state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-9)
+    assert int(optax.tree.get(opt_state, "count")) == int(state["step"]) == steps - sum(ref_skipped)
+
+
+def test_spike_history_survives_a_resume(tmp_path):
+    """The guard's history is part of the train state: a run saved and resumed makes the decisions of an uninterrupted
+    one. OLMo-core's lives in memory: after a restart its warm-up starts again and would let this spike through."""
+    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
+    from olmo3eqx.sharding import build_layout
+    from olmo3eqx.step import make_train_step
+
+    model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, head_dim=16, sliding_window=8, eos_token_id=0, compute_dtype="float32")
+    c = TrainConfig(steps=8, model=model, data=DataConfig(seq_len=16, global_batch=4), mesh=MeshConfig(fsdp=1),
+                    optim=cfg(lr=1e-3, warmup_steps=2, spike_guard=True, spike_window=8))  # judges from step 4
+    spike_at, save_at = 6, 3
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 64, (4, 16)).astype(np.int32) for _ in range(c.steps)]
+    batches[spike_at - 1] = np.full((4, 16), 5, np.int32)  # one repeated token: a gradient norm far above the rest
+    mask = np.ones(4, np.float32)
+    layout = build_layout(c, jax.devices()[:1])
+    train_step = make_train_step(c, layout)
+
+    def run(state, steps):
+        skipped = []
+        for s in steps:
+            state, m = train_step(state, *layout.put_batch({"tokens": batches[s - 1], "mask": mask}))
+            skipped.append(bool(m["train/skipped"]))
+        return state, skipped
+
+    _, uninterrupted = run(layout.init_state(c), range(1, c.steps + 1))
+    assert uninterrupted == [s == spike_at for s in range(1, c.steps + 1)]
+
+    state, first = run(layout.init_state(c), range(1, save_at + 1))
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=1, async_save=False)
+    ckpt.save(save_at, state, {}, {})
+    ckpt.wait()
+    restored, _ = ckpt.restore(save_at, layout.state_target())
+    assert int(restored.spike.count) == save_at
+    _, resumed = run(restored, range(save_at + 1, c.steps + 1))  # (the step donates the state it is given)
+    assert first + resumed == uninterrupted
+
+    restored, _ = ckpt.restore(save_at, layout.state_target())
+    ckpt.close()
+    fresh_guard = eqx.tree_at(lambda s: s.spike, restored, SpikeGuardState.init(c.optim.spike_window))
+    _, forgetful = run(fresh_guard, range(save_at + 1, c.steps + 1))
+    assert not any(forgetful)  # what a guard that forgets at a restart does: step 6 has 2 values of history, needs 3

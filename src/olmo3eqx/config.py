@@ -164,7 +164,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with float32 moments, warmup + one cosine (stage 1) or linear to zero (stage 2)."""
+    """AdamW with float32 moments, warmup + one cosine (stage 1), AI2's stitched stage-1 curve, or linear to zero
+    (stage 2)."""
 
     lr: float = 3e-4
     """Peak learning rate."""
@@ -180,8 +181,10 @@ class OptimConfig:
     """Parameter path substrings excluded from weight decay (OLMo: the embedding only)."""
     warmup_steps: int = 2000
     """Linear warmup: step s <= warmup_steps has lr * s / warmup_steps; 0 starts at the peak."""
-    schedule: Literal["cosine", "linear"] = "cosine"
-    """cosine: warmup then one cosine to final_lr_ratio x lr; linear: warmup then linear to final_lr_ratio x lr."""
+    schedule: Literal["cosine", "linear", "olmo3-stage1"] = "cosine"
+    """cosine: warmup then one cosine to final_lr_ratio x lr at the last step; linear: warmup then linear to
+    final_lr_ratio x lr; olmo3-stage1: the LR of AI2's stage-1 run at each step, whatever `steps` (warmup, the cosine
+    planned for 5T tokens, from step 597,046 the half-cosine stretched to 7T; README "Optimizer")."""
     final_lr_ratio: float = 0.1
     """LR of the last step as a fraction of the peak (stage 2: 0)."""
     clip_grad_norm: float = 1.0
@@ -193,7 +196,7 @@ class OptimConfig:
     spike_sigma: float = 6.0
     """Std devs above the rolling mean that make a step a spike."""
     spike_window: int = 128
-    """Steps in the spike guard's rolling window; it judges steps once max(20, window // 2) - 1 are recorded."""
+    """Steps in the spike guard's rolling window; it judges steps once max(2, window // 2) - 1 are recorded."""
 
     def __post_init__(self):
         check_choices(self, "optim")

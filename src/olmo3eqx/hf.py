@@ -43,10 +43,15 @@ HF_DEFAULTS = {
     "initializer_range": 0.02,
     "rms_norm_eps": 1e-5,
     "sliding_window": 4096,
-    "eos_token_id": 50279,
-    "pad_token_id": 1,
     "rope_theta": 500000.0,
 }
+# No token-id defaults: Olmo3Config's eos 50279 and pad 1 are OLMo 1's ids, wrong for every OLMo 3 vocabulary, and
+# OLMo-core's own export writes null for both. Token ids come from the checkpoint, its tokenizer or a flag
+# (resolve_token_ids).
+TOKEN_IDS = ("eos_token_id", "pad_token_id")
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 # The ModelConfig fields that change the forward pass: two configs agreeing on these give the same logits.
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -95,8 +100,11 @@ def _rope_theta(d: dict, layer_types: tuple[str, ...], where: str) -> float:
     return next(iter(thetas.values()))
 
 
-def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE) -> ModelConfig:
-    """A ModelConfig from a parsed config.json; params and compute both in `dtype` (parity needs that)."""
+def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE,
+                   token_ids: dict[str, int] | None = None) -> ModelConfig:
+    """A ModelConfig from a parsed config.json; params and compute both in `dtype` (parity needs that). `token_ids`
+    gives eos_token_id / pad_token_id where config.json has none (resolve_token_ids finds them elsewhere); without
+    an EOS from either this stops, and a missing PAD becomes the EOS (padding is never scored)."""
     model_type = d.get("model_type")
     if model_type != "olmo3":
         raise ConversionError(f"{where} has model_type {model_type!r}; only 'olmo3' checkpoints are supported.")
@@ -114,9 +122,12 @@ def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE) -> Mode
     layer_types = tuple(d["layer_types"]) if d.get("layer_types") is not None else olmo_layer_types(layers)
     if d.get("sliding_window") is None and "sliding_window" in d and SLIDING in layer_types:
         raise ConversionError(f"{where} has sliding_attention layers but sliding_window null; set the window size.")
-    eos = get("eos_token_id")
-    eos = int(eos[0] if isinstance(eos, list) else eos)
-    pad = d.get("pad_token_id", HF_DEFAULTS["pad_token_id"])
+    ids = {**(token_ids or {}), **{name: v for name in TOKEN_IDS if (v := _token_id(d.get(name))) is not None}}
+    if "eos_token_id" not in ids:
+        raise ConversionError(f"{where} has no eos_token_id and nothing else names one; pass --eos-token-id to "
+                              f"convert.py hf-to-orbax (dolma2: 100257) or set eos_token_id in {CONFIG_FILE}.")
+    eos = ids["eos_token_id"]
+    pad = ids.get("pad_token_id", eos)
     try:
         return ModelConfig(
             vocab_size=int(get("vocab_size")),
@@ -133,7 +144,7 @@ def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE) -> Mode
             max_position_embeddings=int(get("max_position_embeddings")),
             initializer_range=float(get("initializer_range")),
             eos_token_id=eos,
-            pad_token_id=eos if pad is None else int(pad),  # ours must be an int; EOS is the usual stand-in
+            pad_token_id=pad,
             param_dtype=dtype_name(dtype),
             compute_dtype=dtype_name(dtype),
         )
@@ -182,6 +193,22 @@ def read_config_json(path: str | Path) -> dict:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} is missing; an HF checkpoint directory needs its config.json.")
+    return _read_json(file)
+
+
+def _token_id(value) -> int | None:
+    """A token-id field's value: an int, the first of a list (generation_config.json lists every stop token, the EOS
+    first), or None for null or absent."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConversionError(f"Token id {value!r} is not an integer; fix the checkpoint's token-id fields.")
+    return value
+
+
+def _read_json(file: Path) -> dict:
     try:
         d = json.loads(file.read_text())
     except json.JSONDecodeError as e:
@@ -191,9 +218,55 @@ def read_config_json(path: str | Path) -> dict:
     return d
 
 
-def read_hf_config(path: str | Path, dtype=jnp.float32) -> ModelConfig:
-    """The ModelConfig of an HF checkpoint directory (reads config.json only)."""
-    return config_from_hf(read_config_json(path), dtype, str(Path(path) / CONFIG_FILE))
+def _tokenizer_token_ids(path: Path) -> dict[str, tuple[int, str]]:
+    """eos/pad ids named by the tokenizer saved beside the weights: tokenizer_config.json's eos_token / pad_token,
+    looked up in its added_tokens_decoder or tokenizer.json's added_tokens."""
+    config_file = path / TOKENIZER_CONFIG_FILE
+    if not config_file.is_file():
+        return {}
+    tc = _read_json(config_file)
+    ids = {v.get("content"): int(k) for k, v in (tc.get("added_tokens_decoder") or {}).items()
+           if isinstance(v, dict) and str(k).isdigit()}
+    if (path / TOKENIZER_FILE).is_file():
+        ids.update({t.get("content"): t.get("id") for t in _read_json(path / TOKENIZER_FILE).get("added_tokens") or []
+                    if isinstance(t, dict)})
+    found = {}
+    for name in TOKEN_IDS:
+        token = tc.get(name.replace("_id", ""))
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(ids.get(token), int):
+            found[name] = (ids[token], f"{config_file} ({token!r})")
+    return found
+
+
+def resolve_token_ids(path: str | Path, eos_token_id: int | None = None,
+                      pad_token_id: int | None = None) -> dict[str, int]:
+    """The eos/pad token ids of an HF checkpoint directory, never guessed: the first of config.json,
+    generation_config.json and the saved tokenizer that names one, else the given flag. A flag that contradicts the
+    checkpoint is an error; a name nothing gives is left out (config_from_hf then stops for a missing EOS)."""
+    path = Path(path)
+    sources = [({name: (v, str(path / file)) for name in TOKEN_IDS if (v := _token_id(d.get(name))) is not None})
+               for file in (CONFIG_FILE, GENERATION_CONFIG_FILE) if (path / file).is_file()
+               for d in [_read_json(path / file)]]
+    sources.append(_tokenizer_token_ids(path))
+    flags = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    resolved = {}
+    for name, flag in flags.items():
+        found = next((source[name] for source in sources if name in source), None)
+        if found is not None and flag is not None and flag != found[0]:
+            raise ConversionError(f"--{name.replace('_', '-')} {flag} contradicts {name} {found[0]} in {found[1]}; "
+                                  f"drop the flag or fix the checkpoint.")
+        value = found[0] if found is not None else flag
+        if value is not None:
+            resolved[name] = value
+    return resolved
+
+
+def read_hf_architecture(path: str | Path, like: ModelConfig) -> ModelConfig:
+    """An HF directory's ModelConfig for comparing its architecture with `like` (config_mismatches). Token ids do not
+    change the forward pass, so those config.json lacks are taken from `like` instead of stopping."""
+    return config_from_hf(read_config_json(path), where=str(Path(path) / CONFIG_FILE),
+                          token_ids={name: getattr(like, name) for name in TOKEN_IDS})
 
 
 def config_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
@@ -278,15 +351,17 @@ def _is_ignorable(name: str) -> bool:
     return ".rotary_emb." in name  # non-persistent RoPE buffers some older exports carry
 
 
-def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[OLMo3, ModelConfig]:
-    """An OLMo3 (params and compute in `dtype`) and its config from an HF Olmo3 checkpoint directory.
+def load_hf(path: str | Path, dtype=jnp.float32, eos_token_id: int | None = None,
+            pad_token_id: int | None = None) -> tuple[OLMo3, ModelConfig]:
+    """An OLMo3 (params and compute in `dtype`) and its config from an HF Olmo3 checkpoint directory, its token ids
+    from resolve_token_ids (the given ids fill only what the checkpoint lacks).
 
     Every tensor is checked by name and shape before any is read; a missing, unexpected or mis-shaped
     tensor raises ConversionError naming it.
     """
     path = Path(path)
     raw = read_config_json(path)
-    cfg = config_from_hf(raw, dtype, str(path / CONFIG_FILE))
+    cfg = config_from_hf(raw, dtype, str(path / CONFIG_FILE), resolve_token_ids(path, eos_token_id, pad_token_id))
     files = _weight_files(path)
     specs = tensor_specs(cfg)
     if raw.get("tie_word_embeddings", False) and "lm_head.weight" not in files:
@@ -471,7 +546,7 @@ def logit_parity(hf_model_dir: str | Path, model: OLMo3, tokens_batch: Int[np.nd
     """
     if dtype_name(dtype) not in ("float32", "bfloat16"):
         raise ConversionError(f"Parity dtype must be float32 or bfloat16, got {dtype_name(dtype)}.")
-    hf_cfg = read_hf_config(hf_model_dir)
+    hf_cfg = read_hf_architecture(hf_model_dir, model.cfg)
     diff = config_mismatches(hf_cfg, model.cfg)
     if diff:
         raise ConversionError(f"The HF config ({hf_model_dir}) and the model's config disagree on "

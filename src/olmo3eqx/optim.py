@@ -29,6 +29,27 @@ T = TypeVar("T")
 # --- learning rate ---------------------------------------------------------------------------------
 
 
+# AI2's stage-1 run (OLMo-core src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py and -pretrain-2.py): planned
+# as one cosine over 5T tokens, extended at step 597,046 to a half-cosine ending at 7T tokens, stopped at the end
+# of the epoch (step 1,413,814). OLMo-core turns a token duration into steps with ceil(tokens / batch tokens).
+OLMO3_STAGE1_BATCH_TOKENS = 512 * 8192
+"""GLOBAL_BATCH_SIZE of both stage-1 scripts (tokens per step)."""
+OLMO3_STAGE1_PLANNED_TOKENS = 5 * 10**12
+"""pretrain-1.py's max_duration: the cosine CosWithWarmup ran over."""
+OLMO3_STAGE1_EXTENDED_TOKENS = 7 * 10**12
+"""pretrain-2.py's max_duration: the end of the HalfCosWithWarmup that replaced it."""
+OLMO3_STAGE1_COSINE_STEPS = -(-OLMO3_STAGE1_PLANNED_TOKENS // OLMO3_STAGE1_BATCH_TOKENS)  # 1,192,093
+OLMO3_STAGE1_HALF_COSINE_STEPS = -(-OLMO3_STAGE1_EXTENDED_TOKENS // OLMO3_STAGE1_BATCH_TOKENS)  # 1,668,931
+
+
+def olmo3_stage1_switch_step(warmup_steps: int) -> int:
+    """The step from which AI2's half-cosine applies: pretrain-2.py's HalfCosWithWarmup warmup,
+    `original_max_steps // 2 + original_warmup_steps // 2` with original_max_steps = 5T // batch tokens
+    (597,046 for a 2000-step warmup): the middle of the original cosine, where both curves are at
+    (1 + final_lr_ratio) / 2 of the peak."""
+    return (OLMO3_STAGE1_PLANNED_TOKENS // OLMO3_STAGE1_BATCH_TOKENS) // 2 + warmup_steps // 2
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Int[ArrayLike, ""]], Float[Array, ""]]:
     """The learning rate of 1-based step `s`, for a run of `total_steps` steps.
 
@@ -36,28 +57,47 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Int[ArrayLike, 
     Then with progress `p = (s - W) / (total_steps - W)` (clipped to [0, 1]) and `r = cfg.final_lr_ratio`:
       cosine: `lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`, one half-cosine from lr at step W to r * lr
               at step total_steps;
-      linear: `lr * (1 - (1 - r) * p)`, a straight line from lr at step W to r * lr at step total_steps.
+      linear: `lr * (1 - (1 - r) * p)`, a straight line from lr at step W to r * lr at step total_steps;
+      olmo3-stage1: AI2's stage-1 curve, whatever total_steps: OLMo-core's CosWithWarmup over
+              OLMO3_STAGE1_COSINE_STEPS before `olmo3_stage1_switch_step(W)`, its HalfCosWithWarmup ending at
+              OLMO3_STAGE1_HALF_COSINE_STEPS from there (r * lr after that).
     Stage 2 (W = 0, linear, r = 0): step 1 has lr * (1 - 1/T) and the last step T has exactly 0.
-    Steps past total_steps keep the final value; a run no longer than its warmup ends inside it.
+    Steps past the end keep the final value; a run no longer than its warmup ends inside it.
     Accepts a Python int or a traced integer.
     """
     peak, warmup, final = cfg.lr, cfg.warmup_steps, cfg.final_lr_ratio
-    decay_steps = max(total_steps - warmup, 1)
+    if cfg.schedule == "olmo3-stage1":
+        switch = olmo3_stage1_switch_step(warmup)
+
+        def decay_fraction(s):
+            # Before the switch, CosWithWarmup's (1 + cos(pi p)) / 2; from it, HalfCosWithWarmup's second half of a
+            # cosine twice as long: (1 + cos(pi (1 + p') / 2)) / 2 = sin(pi q' / 4)^2 with q' = 1 - p' the share
+            # of the half-cosine still ahead.
+            first = jnp.sin(0.5 * math.pi * steps_ahead(s, OLMO3_STAGE1_COSINE_STEPS, warmup)) ** 2
+            second = jnp.sin(0.25 * math.pi * steps_ahead(s, OLMO3_STAGE1_HALF_COSINE_STEPS, switch)) ** 2
+            return jnp.where(s < switch, first, second)
+    elif cfg.schedule == "cosine":
+        def decay_fraction(s):
+            return jnp.sin(0.5 * math.pi * steps_ahead(s, total_steps, warmup)) ** 2  # = (1 + cos(pi * p)) / 2
+    else:
+        def decay_fraction(s):
+            return steps_ahead(s, total_steps, warmup)
 
     def lr_at(step: Int[ArrayLike, ""]) -> Float[Array, ""]:
         s = jnp.asarray(step, jnp.float32)
-        # Fraction of the decay still ahead, from integer differences (exact in float32 below 2^24
-        # steps), so the last steps of a long run keep their relative precision.
-        q = jnp.clip((total_steps - s) / decay_steps, 0.0, 1.0)
-        if cfg.schedule == "cosine":
-            decayed = final + (1.0 - final) * jnp.sin(0.5 * math.pi * q) ** 2  # = (1 + cos(pi * p)) / 2
-        else:
-            decayed = final + (1.0 - final) * q
+        decayed = final + (1.0 - final) * decay_fraction(s)
         if warmup > 0:
             decayed = jnp.where(s <= warmup, s / warmup, decayed)
         return (peak * decayed).astype(jnp.float32)
 
     return lr_at
+
+
+def steps_ahead(s: Float[Array, ""], end: int, start: int) -> Float[Array, ""]:
+    """The fraction of the decay from step `start` to step `end` still ahead at step `s`, clipped to [0, 1]. Taken from
+    integer differences (exact in float32 below 2^24 steps), so the last steps of a long run keep their relative
+    precision."""
+    return jnp.clip((end - s) / max(end - start, 1), 0.0, 1.0)
 
 
 def scale_by_step_lr(lr_at: Callable[[Int[ArrayLike, ""]], Float[Array, ""]]) -> optax.GradientTransformationExtraArgs:
@@ -143,14 +183,19 @@ def global_norm(tree: PyTree) -> Float[Array, ""]:
 # --- spike guard -----------------------------------------------------------------------------------
 
 
+SPIKE_MIN_VALUES = 2
+"""OLMo-core 3.0.0's SkipStepOptimizer judges once it holds max(2, window // 2) values, the current one included."""
+
+
 def spike_min_history(window: int) -> int:
-    """Earlier values the guard needs before it judges a step: OLMo-core judges once its list, which
-    includes the current value, holds max(20, window // 2) values."""
-    return max(20, window // 2) - 1
+    """Earlier values the guard needs before it judges a step: max(SPIKE_MIN_VALUES, window // 2) - 1, OLMo-core's
+    warm-up (skip_step_optimizer.py, get_step_factor) counted without the current value."""
+    return max(SPIKE_MIN_VALUES, window // 2) - 1
 
 
 class SpikeGuardState(eqx.Module):
-    """Ring buffers of the last `window` recorded losses and grad norms; `count` values recorded so far."""
+    """Ring buffers of the last `window` recorded losses and grad norms; `count` values recorded so far. Part of the
+    train state, so the history survives a resume (OLMo-core keeps it in memory only and starts its warm-up again)."""
 
     losses: Float[Array, " window"]
     grad_norms: Float[Array, " window"]
@@ -158,29 +203,33 @@ class SpikeGuardState(eqx.Module):
 
     @staticmethod
     def init(window: int) -> SpikeGuardState:
-        zeros = jnp.zeros((window,), jnp.float32)
-        return SpikeGuardState(losses=zeros, grad_norms=zeros, count=jnp.zeros((), jnp.int32))
+        # Two buffers, not one array twice: a train step donates its state, and a buffer cannot be donated twice.
+        return SpikeGuardState(losses=jnp.zeros((window,), jnp.float32), grad_norms=jnp.zeros((window,), jnp.float32),
+                               count=jnp.zeros((), jnp.int32))
 
 
 def _outlier(history: Float[Array, " window"], valid: Bool[Array, " window"], n: Int[Array, ""],
              value: Float[Array, ""], sigma: float) -> Bool[Array, ""]:
+    """OLMo-core's test, negated: not (value - mean <= sigma * std), std unbiased. With one earlier value the std is
+    0/0 = NaN, as torch.std_mean gives, and the step counts as a spike, as it does there."""
     n_f = n.astype(jnp.float32)
     mean = jnp.sum(jnp.where(valid, history, 0.0)) / jnp.maximum(n_f, 1.0)
-    var = jnp.sum(jnp.where(valid, (history - mean) ** 2, 0.0)) / jnp.maximum(n_f - 1.0, 1.0)
-    return value - mean > sigma * jnp.sqrt(var)
+    var = jnp.sum(jnp.where(valid, (history - mean) ** 2, 0.0)) / (n_f - 1.0)
+    return ~(value - mean <= sigma * jnp.sqrt(var))
 
 
 def spike_check(state: SpikeGuardState, loss: Float[Array, ""], grad_norm: Float[Array, ""], *,
                 sigma: float, window: int) -> tuple[Bool[Array, ""], SpikeGuardState]:
-    """OLMo-core's spike guard as a pure function: `skip` is True when `loss` or `grad_norm` exceeds the
-    mean of the last `window` recorded values by more than `sigma` (unbiased) standard deviations.
+    """OLMo-core's spike guard (SkipStepOptimizer.get_step_factor) as a pure function: `skip` is True when `loss` or
+    `grad_norm` exceeds the mean of the last `window` recorded values by more than `sigma` (unbiased) standard
+    deviations. `loss` is the cross-entropy without the z-loss and `grad_norm` the norm before clipping, as there.
 
-    - Warm-up: nothing finite is skipped until `spike_min_history(window)` values are recorded (63 at
-      window 128, 19 at window <= 40), OLMo-core's max(20, window // 2) counting the current value.
+    - Warm-up: nothing finite is skipped until `spike_min_history(window)` values are recorded (63 at window 128, 1
+      at windows below 6), OLMo-core's max(2, window // 2) counting the current value.
     - Every finite step is recorded, skipped or not, as OLMo-core does: a lasting shift of the loss level
       is accepted after a few steps instead of stalling training forever.
-    - A non-finite loss or grad norm is always skipped (also during warm-up) and never recorded, so one
-      NaN neither enters the weights nor poisons the statistics.
+    - A non-finite loss or grad norm is always skipped (also during warm-up) and never recorded, so one NaN neither
+      enters the weights nor poisons the statistics (OLMo-core would apply it during warm-up and record it).
     """
     if state.losses.shape != (window,):
         raise ConfigError(f"Spike guard state holds {state.losses.shape[0]} values but optim.spike_window is "
@@ -200,6 +249,18 @@ def spike_check(state: SpikeGuardState, loss: Float[Array, ""], grad_norm: Float
         count=state.count + 1,
     )
     return skip, apply_unless_skipped(~finite, recorded, state)
+
+
+def guard_update(cfg: OptimConfig, spike: SpikeGuardState, loss: Float[Array, ""], grad_norm: Float[Array, ""],
+                 new: T, old: T) -> tuple[Bool[Array, ""], SpikeGuardState, T]:
+    """(skipped, the guard's next state, `new` or, for a skipped step, `old` bit for bit): the spike guard of
+    cfg.spike_guard applied to one update. `new`/`old` are the trees an update changes (parameters and the whole
+    optimizer state, Adam's count included), so a skipped step is an exact no-op for them while the caller's step
+    counter, and with it the learning rate, moves on."""
+    if not cfg.spike_guard:
+        return jnp.zeros((), bool), spike, new
+    skip, spike = spike_check(spike, loss, grad_norm, sigma=cfg.spike_sigma, window=cfg.spike_window)
+    return skip, spike, apply_unless_skipped(skip, new, old)
 
 
 def apply_unless_skipped(skip: Bool[ArrayLike, ""], new_tree: T, old_tree: T) -> T:

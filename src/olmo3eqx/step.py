@@ -30,6 +30,15 @@ def split_micro(x: Array, accum: int) -> Array:
     return x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
 
 
+def micro_batch_loss(params, tokens: Int[Array, "m s"], mask: Float[Array, " m"], z_loss: float,
+                     total: Float[Array, ""]) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""]]]:
+    """(what a micro-batch backpropagates, (its CE sum, its z-loss sum)). Its sums are divided by `total`, the labelled
+    tokens of the whole global batch (OLMo-core's loss_div_factor), not by its own count, so the accumulated gradient
+    is the gradient of the global token mean whatever the accumulation."""
+    ce, z = loss_sums(params, tokens, label_weights(tokens, mask), z_loss)
+    return (ce + z) / total, (ce, z)
+
+
 def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
     """jit(train_step(state, tokens, mask) -> (state, metrics)), state donated, shardings explicit."""
     ocfg: OptimConfig = cfg.optim
@@ -44,15 +53,11 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
         micro_mask = split_micro(mask, plan.accum_steps)
 
-        def micro_loss(p, t, m):
-            ce, z = loss_sums(p, t, label_weights(t, m), ocfg.z_loss)
-            return (ce + z) / total, (ce, z)
-
-        grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)
+        grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
 
         def micro_grads(t, m):
             """(grads laid out like the parameters, CE sum, z-loss sum) of one micro-batch."""
-            (_, (ce, z)), g = grad_fn(params, t, m)
+            (_, (ce, z)), g = grad_fn(params, t, m, ocfg.z_loss, total)
             return jax.lax.with_sharding_constraint(eqx.filter(g, eqx.is_array), param_shardings), ce, z
 
         def accumulate(carry, xs):
@@ -76,14 +81,9 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
         new_arrays = optax.apply_updates(model_arrays, updates)
         new_model = eqx.combine(new_arrays, eqx.filter(state.model, eqx.is_array, inverse=True))
 
-        loss = ce_mean + z_mean
-        if ocfg.spike_guard:
-            skip, spike = optim.spike_check(state.spike, loss, grad_norm, sigma=ocfg.spike_sigma,
-                                            window=ocfg.spike_window)
-            new_model = optim.apply_unless_skipped(skip, new_model, state.model)
-            new_opt_state = optim.apply_unless_skipped(skip, new_opt_state, state.opt_state)
-        else:
-            skip, spike = jnp.zeros((), bool), state.spike
+        # The guard judges the CE without the z-loss and the grad norm before clipping, as OLMo-core's does.
+        skip, spike, (new_model, new_opt_state) = optim.guard_update(
+            ocfg, state.spike, ce_mean, grad_norm, (new_model, new_opt_state), (state.model, state.opt_state))
         metrics = {
             "train/loss": ce_mean,
             "train/z_loss": z_mean,

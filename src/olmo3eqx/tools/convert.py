@@ -41,8 +41,13 @@ def _refuse_existing(path: Path, what: str) -> None:
 
 
 def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
-                skip_parity: bool = False, seq_len: int = 128, batch: int = 2, seed: int = 0) -> None:
+                skip_parity: bool = False, seq_len: int = 128, batch: int = 2, seed: int = 0,
+                eos_token_id: int | None = None, pad_token_id: int | None = None) -> None:
     """Convert an HF Olmo3 checkpoint directory to an orbax checkpoint (step 0), after a float32 parity check.
+
+    Token ids are never guessed: they come from config.json, generation_config.json or the saved tokenizer, else
+    from --eos-token-id / --pad-token-id (OLMo-core's save_hf_model writes null for both); no EOS from any of them
+    stops the conversion.
 
     Args:
         hf_dir: HF checkpoint directory (config.json + safetensors).
@@ -54,13 +59,15 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
         seq_len: Tokens per parity sequence.
         batch: Parity sequences.
         seed: Seed of the random parity tokens.
+        eos_token_id: End-of-document token id, for a checkpoint that names none (dolma2: 100257).
+        pad_token_id: Padding token id, for a checkpoint that names none (dolma2: 100277); default the EOS.
     """
     import jax.numpy as jnp
 
     from olmo3eqx import checkpoint, hf
 
     _refuse_existing(out, "Output checkpoint")
-    model, cfg = hf.load_hf(hf_dir, jnp.float32)
+    model, cfg = hf.load_hf(hf_dir, jnp.float32, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not skip_parity:
         stats = hf.logit_parity(hf_dir, model, random_tokens(cfg.vocab_size, batch, seq_len, seed), jnp.float32)
         print(format_parity(stats, "float32", batch, seq_len))
@@ -110,8 +117,8 @@ def parity(hf_dir: Path, ckpt: Path, seq_len: int = 128, batch: int = 2, dtype: 
     """
     from olmo3eqx import checkpoint, hf
 
-    hf_cfg = hf.read_hf_config(hf_dir)
     model, cfg = checkpoint.load_model(ckpt)
+    hf_cfg = hf.read_hf_architecture(hf_dir, cfg)
     diff = hf.config_mismatches(hf_cfg, cfg)
     if diff:
         raise hf.ConversionError(f"The HF config and the checkpoint config disagree on {'; '.join(diff)} "

@@ -1,0 +1,119 @@
+"""The OLMo 3 7B presets say AI2's numbers: configs/olmo3-7b-stage1.yaml, -16x256.yaml and -stage2.yaml against the
+values written in AI2's official scripts, and the decay groups against OLMo-core's own grouping.
+
+The scripts' values below are copied from allenai/OLMo-core src/scripts/official/OLMo3/ (the scripts are not part
+of the ai2-olmo-core package); each names its file and variable. Defaults the scripts rely on are read from the
+installed package (SkipStepAdamWConfig, CosWithWarmup).
+"""
+
+import math
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from olmo_core.nn.attention import AttentionBackendName
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import CosWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
+
+from olmo3eqx.config import ModelConfig, load_yaml
+from olmo3eqx.model import abstract_model
+from olmo3eqx.optim import decay_mask
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+STAGE1_PRESETS = ("olmo3-7b-stage1.yaml", "olmo3-7b-16x256.yaml")
+
+# OLMo-3-1025-7B-pretrain-1.py (stage 1, part 1; part 2, -pretrain-2.py, has the same optimizer and batch)
+PRETRAIN_SEQUENCE_LENGTH = 8192  # DEFAULT_SEQUENCE_LENGTH
+PRETRAIN_GLOBAL_BATCH_TOKENS = 8192 * 512  # GLOBAL_BATCH_SIZE
+PRETRAIN_LR = 3e-4  # LR
+PRETRAIN_WARMUP = 2000  # CosWithWarmup(warmup_steps=2000)
+PRETRAIN_STEPS = 1413814  # the end of epoch 1, where part 2 (hard_stop=Duration.epochs(1)) stopped: OLMo-3-1025-7B.csv
+# OLMo-3-1025-7B-midtrain.py (stage 2)
+MIDTRAIN_SEQUENCE_LENGTH = 8192  # DEFAULT_SEQUENCE_LENGTH
+MIDTRAIN_GLOBAL_BATCH_TOKENS = 2**21  # GLOBAL_BATCH_SIZE
+MIDTRAIN_MAX_TOKENS = 100_000_000_000  # MAX_TOKENS
+MIDTRAIN_LR = 0.00020712352850360292  # LR
+MIDTRAIN_LOAD_OPTIM_STATE = True  # TrainerConfig(load_optim_state=True)
+MIDTRAIN_LOAD_TRAINER_STATE = False  # TrainerConfig(load_trainer_state=False): step and data position start again
+# All three scripts: SkipStepAdamWConfig(weight_decay=0.1, betas=(0.9, 0.95),
+#   group_overrides=[OptimGroupOverride(params=["embeddings.weight"], opts={"weight_decay": 0.0})]),
+#   z_loss_multiplier=1e-5, max_grad_norm=1.0
+WEIGHT_DECAY, BETAS, Z_LOSS, MAX_GRAD_NORM = 0.1, (0.9, 0.95), 1e-5, 1.0
+AI2_GROUP_OVERRIDES = [OptimGroupOverride(params=["embeddings.weight"], opts={"weight_decay": 0.0})]
+# Seeds: the scripts' data-loader seeds (34521 stage 1, 1337 stage 2) are data.seed's; the model init seed is
+# TransformerConfig.init_seed (0), checked against run.seed below.
+
+
+def package_defaults():
+    """What the scripts leave to OLMo-core 3.0.0's defaults: eps, the spike window and sigma, the final LR ratio."""
+    optim = SkipStepAdamWConfig()
+    return {"eps": optim.eps, "spike_window": optim.rolling_interval_length, "spike_sigma": optim.sigma_factor,
+            "final_lr_ratio": CosWithWarmup(warmup=1).alpha_f}
+
+
+def check_optimizer(o, lr):
+    defaults = package_defaults()
+    assert o.lr == lr
+    assert (o.b1, o.b2) == BETAS and o.eps == defaults["eps"]
+    assert o.weight_decay == WEIGHT_DECAY and o.no_decay == ("embed",)
+    assert o.z_loss == Z_LOSS and o.clip_grad_norm == MAX_GRAD_NORM
+    assert o.spike_guard  # SkipStepAdamW, every stage
+    assert (o.spike_window, o.spike_sigma) == (defaults["spike_window"], defaults["spike_sigma"])
+
+
+@pytest.mark.parametrize("preset", STAGE1_PRESETS)
+def test_stage1_presets_are_pretrain_scripts(preset):
+    cfg = load_yaml(CONFIGS / preset)
+    check_optimizer(cfg.optim, PRETRAIN_LR)
+    assert cfg.optim.warmup_steps == PRETRAIN_WARMUP
+    assert cfg.optim.final_lr_ratio == package_defaults()["final_lr_ratio"]
+    # The single cosine over the run is the reproduction's (the design card's); `olmo3-stage1` is AI2's own curve.
+    assert cfg.optim.schedule == "cosine"
+    assert cfg.data.seq_len == PRETRAIN_SEQUENCE_LENGTH
+    assert cfg.data.seq_len * cfg.data.global_batch == PRETRAIN_GLOBAL_BATCH_TOKENS
+    assert cfg.steps == PRETRAIN_STEPS
+    assert cfg.run.seed == TransformerConfig.init_seed == 0
+    assert cfg.init_from is None and not cfg.init_optimizer
+
+
+def test_stage2_preset_is_midtrain_script():
+    cfg = load_yaml(CONFIGS / "olmo3-7b-stage2.yaml")
+    check_optimizer(cfg.optim, MIDTRAIN_LR)
+    # LinearWithWarmup(warmup=0, alpha_f=0.0) over Duration.tokens(MAX_TOKENS)
+    assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.final_lr_ratio) == ("linear", 0, 0.0)
+    assert cfg.data.seq_len == MIDTRAIN_SEQUENCE_LENGTH
+    assert cfg.data.seq_len * cfg.data.global_batch == MIDTRAIN_GLOBAL_BATCH_TOKENS
+    assert cfg.steps == math.ceil(MIDTRAIN_MAX_TOKENS / MIDTRAIN_GLOBAL_BATCH_TOKENS) == 47684
+    # load_path=.../stage1/step1413814: the last stage-1 checkpoint, moments included; init_from (unlike a resume)
+    # starts the step, the data position and the spike history again, as load_trainer_state=False does.
+    assert cfg.init_from == "runs/olmo3-7b-stage1/checkpoints"
+    assert cfg.init_optimizer == MIDTRAIN_LOAD_OPTIM_STATE and not MIDTRAIN_LOAD_TRAINER_STATE
+    stage1 = load_yaml(CONFIGS / "olmo3-7b-stage1.yaml")
+    assert cfg.model == stage1.model  # the same model carries over
+
+
+def test_decay_groups_are_olmo_cores():
+    """OLMo-core's groups with AI2's overrides: the embedding alone without decay, every other tensor (each RMSNorm and
+    QK-norm weight included) with it; ours on the same architecture decays the same tensors, element for element."""
+    oc = TransformerConfig.olmo3_14M(vocab_size=1024, attn_backend=AttentionBackendName.torch).build(init_device="meta")
+    groups = SkipStepAdamWConfig(group_overrides=AI2_GROUP_OVERRIDES).build_groups(oc)
+    names = {id(p): n for n, p in oc.named_parameters()}
+    no_decay = [g for g in groups if g.get("weight_decay") == 0.0]
+    decayed = [g for g in groups if "weight_decay" not in g]  # the optimizer's weight_decay=0.1
+    assert [names[id(p)] for g in no_decay for p in g["params"]] == ["embeddings.weight"]
+    assert any("norm" in names[id(p)] for g in decayed for p in g["params"])
+
+    ours = abstract_model(ModelConfig(vocab_size=1024, hidden_size=oc.d_model, num_hidden_layers=oc.n_layers,
+                                      num_attention_heads=8, num_key_value_heads=8, head_dim=oc.d_model // 8,
+                                      intermediate_size=oc.blocks["0"].feed_forward.hidden_size, eos_token_id=0))
+    params = eqx.filter(ours, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    mask = decay_mask(params, load_yaml(CONFIGS / "olmo3-7b-stage1.yaml").optim.no_decay)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    sizes = {jax.tree_util.keystr(path): int(np.prod(x.shape)) for path, x in flat}
+    decided = dict(zip(sizes, jax.tree.leaves(mask)))
+    assert [path for path, decay in decided.items() if not decay] == [".embed"]
+    assert sum(size for path, size in sizes.items() if decided[path]) == sum(
+        p.numel() for g in decayed for p in g["params"])
+    assert sum(sizes.values()) == sum(p.numel() for p in oc.parameters())
