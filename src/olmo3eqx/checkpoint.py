@@ -2,7 +2,9 @@
 
 Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
     C/<step>/state/      the train state's arrays as one tree (olmo3eqx.state.TrainState: model, opt_state, ...);
-                         `convert.py hf-to-orbax` writes a state holding only {"model": ...}, as step 0
+                         `convert.py hf-to-orbax` writes a state holding only {"model": ...}, as step 0, one leaf at
+                         a time (save_model_leaves), and orbax-to-hf reads it back one leaf at a time
+                         (restore_model_leaf)
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
 Readers that need part of a state (the model for evaluation or conversion, model and moments for `init_from`)
@@ -13,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
 from olmo3eqx.model import OLMo3, abstract_model
@@ -37,6 +41,33 @@ def save_model(directory: str | Path, model: OLMo3, cfg: ModelConfig, step: int 
             state=ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array)}),
             config=ocp.args.JsonSave(config)), force=True)
         mngr.wait_until_finished()
+
+
+def _nest(path: tuple[str, ...], leaf) -> dict:
+    """{"a": {"b": leaf}} for path ("a", "b"): one model leaf as a tree orbax saves and restores under the same keys
+    as the leaf inside the saved OLMo3 (module attributes and dict keys name a leaf alike)."""
+    for name in reversed(path):
+        leaf = {name: leaf}
+    return leaf
+
+
+def save_model_leaves(directory: str | Path, cfg: ModelConfig, leaves: Iterable[tuple[tuple[str, ...], jax.Array]],
+                      step: int = 0, extra_config: dict | None = None) -> None:
+    """Write step `step` of the checkpoint directory from the model's leaves given one at a time as (attribute path,
+    array), e.g. (("blocks", "mlp", "up_proj", "weight"), x): each is written (orbax's partial save) and released
+    before the next is asked for, so memory stays near one leaf. The result is save_model's layout, read back by
+    load_model and restore_parts. Staged under `<step>.partial` and renamed into place when complete. One process
+    (the conversion tools run in one)."""
+    directory = Path(directory).absolute()
+    staging, final = directory / f"{step}.partial", directory / str(step)
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, leaf in leaves:
+        ocp_partial.save(staging, {"model": _nest(path, leaf)})
+        del leaf
+    ocp_partial.finalize(staging)
+    config = {"model": to_dict(cfg), **(extra_config or {})}
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(staging / "config", args=ocp.args.JsonSave(config))
+    staging.rename(final)
 
 
 def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
@@ -95,10 +126,24 @@ def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLM
     return eqx.combine(restored, static)
 
 
+def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], target: jax.ShapeDtypeStruct) -> jax.Array:
+    """One model leaf (attribute path, as in save_model_leaves) of a step's state onto `target` (a sharded
+    ShapeDtypeStruct); no other array is read."""
+    tree = restore_parts(root, step, {"model": _nest(path, target)})["model"]
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def open_model(ckpt_dir: str | Path) -> tuple[Path, int, ModelConfig]:
+    """(manager root, step, model config) of a checkpoint directory (manager root, run dir or step dir)."""
+    root, step = resolve_step_dir(ckpt_dir)
+    return root, step, model_config_from_dict(read_config(root, step), str(root / str(step)))
+
+
 def load_model(ckpt_dir: str | Path, sharding=None) -> tuple[OLMo3, ModelConfig]:
     """The model and its config from a checkpoint directory (manager root, run dir or step dir)."""
-    root, step = resolve_step_dir(ckpt_dir)
-    cfg = model_config_from_dict(read_config(root, step), str(root / str(step)))
+    root, step, cfg = open_model(ckpt_dir)
     return restore_model(root, step, cfg, sharding), cfg
 
 
