@@ -21,6 +21,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
@@ -102,15 +103,16 @@ def saved_parts(root: Path, step: int) -> list[str]:
     return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
 
 
-def restore_parts(root: Path, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+def restore_parts(root: Path, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
     """Top-level parts of a step's saved state, each restored onto its target (a tree like the part, whose array
-    leaves are sharded ShapeDtypeStructs, see sharding.with_shardings); the other parts are not read."""
+    leaves are sharded ShapeDtypeStructs, see sharding.with_shardings; `restore_args`, a tree like `targets`, can ask
+    for another type); the other parts are not read."""
     missing = sorted(set(targets) - set(saved_parts(root, step)))
     if missing:
         raise ConfigError(f"Checkpoint {root / str(step)} holds no {', '.join(missing)}; a converted checkpoint holds "
                           f"the model only.")
-    args = ocp.args.PyTreeRestore(item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
-                                  partial_restore=True)
+    restore_args = restore_args or ocp.checkpoint_utils.construct_restore_args(targets)
+    args = ocp.args.PyTreeRestore(item=targets, restore_args=restore_args, partial_restore=True)
     with ocp.CheckpointManager(root, item_names=(STATE,)) as mngr:
         return dict(mngr.restore(step, args=ocp.args.Composite(state=args))[STATE])
 
@@ -126,10 +128,11 @@ def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLM
     return eqx.combine(restored, static)
 
 
-def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], target: jax.ShapeDtypeStruct) -> jax.Array:
-    """One model leaf (attribute path, as in save_model_leaves) of a step's state onto `target` (a sharded
-    ShapeDtypeStruct); no other array is read."""
-    tree = restore_parts(root, step, {"model": _nest(path, target)})["model"]
+def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
+    """One model leaf (attribute path, as in save_model_leaves) of a step's state, shaped `like`, as a host array (no
+    device needs to hold it); no other array is read."""
+    restore_args = _nest(path, ocp.RestoreArgs(restore_type=np.ndarray, dtype=like.dtype))
+    tree = restore_parts(root, step, {"model": _nest(path, like)}, {"model": restore_args})["model"]
     for name in path:
         tree = tree[name]
     return tree

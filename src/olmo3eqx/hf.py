@@ -425,34 +425,57 @@ def open_hf(path: str | Path, dtype=jnp.float32, warn=None) -> HFWeights:
     return HFWeights(path, cfg, files, specs)
 
 
-def _read(w: HFWeights, s: TensorSpec, index: tuple[slice, ...], dtype) -> np.ndarray:
-    """The part `index` (in our orientation) of one HF tensor, as `dtype`. The file is opened for this read only:
-    safetensors maps files into memory, and the pages a read touches stay resident until the file is closed."""
-    with safe_open(str(w.files[s.hf_name]), framework="numpy") as f:
-        x = f.get_slice(s.hf_name)[tuple(index[::-1]) if s.transpose else tuple(index)]
-    return (x.T if s.transpose else x).astype(dtype)
+CHUNK_BYTES = 64 * 2**20
+"""Most bytes of one HF tensor in flight at once, read (each piece opens its file afresh) or written."""
+HOST_ALIGNMENT = 64
+"""Byte alignment at which JAX's CPU client adopts a numpy buffer as a device buffer instead of copying it."""
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array starting on a HOST_ALIGNMENT boundary: put on a CPU device it is aliased, not copied,
+    so building a leaf there costs one leaf of host memory, not two."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + HOST_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _read_into(out: np.ndarray, w: HFWeights, s: TensorSpec, index: tuple[slice, ...]) -> None:
+    """Fill `out` with the part `index` (in our orientation) of HF tensor `s`, cast to out's dtype, CHUNK_BYTES
+    of it at a time along the HF tensor's first axis. Each piece opens the file for itself: safetensors maps files
+    into memory, and the pages a read touches stay resident until the file is closed."""
+    hf_index = tuple(index[::-1]) if s.transpose else tuple(index)
+    rows = range(s.hf_shape[0])[hf_index[0]]
+    step = max(1, CHUNK_BYTES // max(1, out.nbytes // max(1, len(rows))))
+    for start in range(0, len(rows), step):
+        piece = rows[start:start + step]
+        with safe_open(str(w.files[s.hf_name]), framework="numpy") as f:
+            x = f.get_slice(s.hf_name)[(slice(piece.start, piece.stop), *hf_index[1:])]
+        if s.transpose:  # HF [out, in] rows are our columns
+            out[:, start:start + len(piece)] = x.T
+        else:
+            out[start:start + len(piece)] = x
 
 
 def read_leaf(w: HFWeights, path: tuple[str, ...], sharding: jax.sharding.Sharding, dtype) -> jax.Array:
     """One model leaf, built on `sharding` from the HF tensors: each device's shard is read from the files on its own,
-    so no host holds more of the leaf than its devices' parts (plus one layer's tensor slice)."""
+    piece by piece into one host buffer that a CPU device adopts as is, so no host holds more of the leaf than its
+    devices' parts (plus one CHUNK_BYTES piece)."""
     group = leaf_groups(w.specs)[path]
     s0 = group[0]
     part = s0.hf_shape[::-1] if s0.transpose else s0.hf_shape
-    dtype = jnp.dtype(dtype)
-    if s0.layer is None:
-        return jax.make_array_from_callback(part, sharding, lambda index: _read(w, s0, index, dtype))
+    shape = part if s0.layer is None else (len(group), *part)
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
-        layers = range(len(group))[index[0]]
-        first = _read(w, group[layers[0]], index[1:], dtype)
-        out = np.empty((len(layers), *first.shape), dtype)
-        out[0] = first
-        for j, layer in enumerate(layers[1:], 1):
-            out[j] = _read(w, group[layer], index[1:], dtype)
+        out = aligned_empty(tuple(len(range(n)[i]) for n, i in zip(shape, index)), dtype)
+        if s0.layer is None:
+            _read_into(out, w, s0, index)
+        else:
+            for j, layer in enumerate(range(len(group))[index[0]]):
+                _read_into(out[j], w, group[layer], index[1:])
         return out
 
-    return jax.make_array_from_callback((len(group), *part), sharding, shard)
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def iter_leaves(w: HFWeights, shardings, dtype) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
@@ -538,18 +561,27 @@ def _start_safetensors(file: Path, specs: list[TensorSpec], dtype: str) -> dict[
     return {s.hf_name: data + header[s.hf_name]["data_offsets"][0] for s in specs}
 
 
-@jax.jit
-def _take_layer(leaf: Array, layer: Int[Array, ""]) -> Array:
-    """leaf[layer], with the layer traced: one compile per leaf shape, not one per layer."""
-    return jax.lax.dynamic_index_in_dim(leaf, layer, keepdims=False)
+def _write_tensor(f, offset: int, t: np.ndarray, s: TensorSpec, dtype: str) -> None:
+    """Write our tensor `t` as HF tensor `s` at byte `offset` of open file `f`, transposed and cast CHUNK_BYTES at a
+    time (rows of the HF tensor)."""
+    if (t.shape[::-1] if s.transpose else t.shape) != s.hf_shape:
+        raise ConversionError(f"Model leaf {'.'.join(s.path)} gives {s.hf_name} the shape "
+                              f"{list(t.shape[::-1] if s.transpose else t.shape)} but the config implies "
+                              f"{list(s.hf_shape)}; the model and its config disagree.")
+    step = max(1, CHUNK_BYTES // max(1, math.prod(s.hf_shape[1:]) * jnp.dtype(dtype).itemsize))
+    f.seek(offset)
+    for start in range(0, s.hf_shape[0], step):
+        piece = t[:, start:start + step].T if s.transpose else t[start:start + step]
+        np.ascontiguousarray(piece, dtype=dtype).tofile(f)
 
 
-def write_hf(path: str | Path, cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], jax.Array],
+def write_hf(path: str | Path, cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], np.ndarray | jax.Array],
              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None) -> list[Path]:
     """Write an HF Olmo3ForCausalLM directory (config.json, safetensors shards, their index) from `leaf(path)`, which
-    gives one model leaf at a time (restored from a checkpoint, say); each is written out tensor by tensor and then
-    released, so host memory stays near one leaf plus one tensor. Files are laid out layer by layer, as transformers
-    writes them. `dtype` (default cfg.param_dtype) is the stored dtype. Returns the shard files."""
+    gives one model leaf at a time (a host array restored from a checkpoint, or a device array of a model); each is
+    fetched to the host once, written out piece by piece and released before the next is asked for, so host memory
+    stays near one leaf. Files are laid out layer by layer, as transformers writes them. `dtype` (default
+    cfg.param_dtype) is the stored dtype. Returns the shard files."""
     path = Path(path)
     out = jnp.dtype(dtype if dtype is not None else cfg.param_dtype).name
     if out not in SAFETENSORS_DTYPE:
@@ -566,17 +598,10 @@ def write_hf(path: str | Path, cfg: ModelConfig, leaf: Callable[[tuple[str, ...]
     with ExitStack() as stack:
         handles = {name: stack.enter_context(open(path / name, "r+b")) for name in names}
         for leaf_path, group in leaf_groups(specs).items():
-            x = leaf(leaf_path)
+            x = np.asarray(jax.device_get(leaf(leaf_path)))
             for s in group:
-                t = np.asarray(jax.device_get(x if s.layer is None else _take_layer(x, s.layer)))
-                t = np.ascontiguousarray((t.T if s.transpose else t).astype(out))
-                if t.shape != s.hf_shape:
-                    raise ConversionError(f"Model leaf {'.'.join(s.path)} gives {s.hf_name} the shape {list(t.shape)} "
-                                          f"but the config implies {list(s.hf_shape)}; the model and its config "
-                                          f"disagree.")
-                f = handles[where[s.hf_name]]
-                f.seek(offsets[s.hf_name])
-                t.tofile(f)
+                _write_tensor(handles[where[s.hf_name]], offsets[s.hf_name], x if s.layer is None else x[s.layer], s,
+                              out)
             del x
     if n > 1:
         total = sum(math.prod(s.hf_shape) for s in specs) * jnp.dtype(out).itemsize

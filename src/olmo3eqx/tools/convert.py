@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from olmo3eqx import exits
+from olmo3eqx.tools import hostmem
 from olmo3eqx.config import ConfigError
 
 
@@ -51,6 +52,14 @@ def conversion_shardings(cfg):
     from olmo3eqx.sharding import is_leaf_like, make_mesh, tree_shardings
 
     return tree_shardings(eqx.filter(abstract_model(cfg), is_leaf_like), make_mesh(MeshConfig(), jax.local_devices()))
+
+
+def released_between(leaves):
+    """`leaves`, with the memory malloc kept from each one's write handed back before the next is read."""
+    for path, leaf in leaves:
+        yield path, leaf
+        del leaf
+        hostmem.release_freed_memory()
 
 
 def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
@@ -93,15 +102,16 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
                 raise ParityFailed(msg + " Nothing written (pass --force to write anyway).")
             print(f"warning: {msg} Writing anyway (--force).", file=sys.stderr)
     cfg = dataclasses.replace(weights.cfg, param_dtype=dtype, compute_dtype=dtype)
-    checkpoint.save_model_leaves(out, cfg, hf.iter_leaves(weights, conversion_shardings(cfg), dtype), step=0)
+    leaves = hf.iter_leaves(weights, conversion_shardings(cfg), dtype)
+    checkpoint.save_model_leaves(out, cfg, released_between(leaves), step=0)
     print(f"wrote {out} (step 0, {dtype})")
 
 
 def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
     """Convert an orbax checkpoint (newest step, or a step directory) to an HF Olmo3 checkpoint directory.
 
-    Each model leaf is restored on its own onto this process's devices (sharded as in training) and written out
-    tensor by tensor: host memory stays near the largest leaf.
+    Each model leaf is restored on its own, to host memory, and written out piece by piece: host memory stays near
+    the largest leaf.
 
     Args:
         ckpt: Orbax checkpoint directory (manager root, run directory or one step directory).
@@ -109,19 +119,16 @@ def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb:
         dtype: Stored dtype; default the checkpoint's param_dtype.
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
     """
-    import jax
-
     from olmo3eqx import checkpoint, hf
     from olmo3eqx.model import abstract_model
 
     _refuse_existing(out, "Output directory")
     root, step, cfg = checkpoint.open_model(ckpt)
-    abstract, shardings = abstract_model(cfg), conversion_shardings(cfg)
+    abstract = abstract_model(cfg)
 
-    def leaf(path: tuple[str, ...]) -> jax.Array:
-        want, sharding = hf.leaf_of(abstract, path), hf.leaf_of(shardings, path)
-        return checkpoint.restore_model_leaf(root, step, path, jax.ShapeDtypeStruct(want.shape, want.dtype,
-                                                                                     sharding=sharding))
+    def leaf(path: tuple[str, ...]):
+        hostmem.release_freed_memory()  # what the previous leaf's restore left in malloc's arenas
+        return checkpoint.restore_model_leaf(root, step, path, hf.leaf_of(abstract, path))
 
     files = hf.write_hf(out, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
