@@ -245,16 +245,17 @@ def test_every_config_json_form_is_the_same_model(yarn_case):
     assert stats["kl_mean"] <= 1e-7 and stats["top1"] == 1.0, stats
 
 
-def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys):
+def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys, monkeypatch):
     """hf-to-orbax (streamed leaf by leaf onto the 8-device mesh, from AI2's legacy form in several shards) ->
     load_model is load_hf's model; orbax-to-hf writes a directory transformers reads as the source's RoPE per layer
-    type, with the source's tensors."""
+    type, with the source's tensors. Tensors move in pieces of 4 KiB here, so every piece boundary is crossed."""
     dirs = yarn_dirs("yarn")
+    model, cfg = hf.load_hf(dirs["per_type"])
+    monkeypatch.setattr(hf, "CHUNK_BYTES", 4096)
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     assert _cli(["hf-to-orbax", "--hf-dir", dirs["legacy"], "--out", ckpt, "--skip-parity"], capsys)[0] == 0
     assert _cli(["orbax-to-hf", "--ckpt", ckpt, "--out", back, "--max-shard-gb", "0.0001"], capsys)[0] == 0
     assert sorted(p.name for p in ckpt.iterdir()) == ["0"]
-    model, cfg = hf.load_hf(dirs["per_type"])
     restored, rcfg = checkpoint.load_model(ckpt)
     assert rcfg == cfg
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored)):
@@ -267,6 +268,35 @@ def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys):
     assert len(list(back.glob("model-*.safetensors"))) > 1
     for k, v in src.state_dict().items():
         assert torch.equal(out.state_dict()[k], v), k
+
+
+# allenai/Olmo-3-1025-7B's config.json as public copies of it give it (transformers 4.57's form).
+RELEASED_7B_CONFIG = {
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
+    "rope_theta": 500000, "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "factor": 8.0, "original_max_position_embeddings": 8192,
+                                           "rope_type": "yarn"},
+    "sliding_window": 4096, "layer_types": [S, S, S, F] * 8, "tie_word_embeddings": False, "vocab_size": 100278,
+    "eos_token_id": 100257, "pad_token_id": 100277, "bos_token_id": None, "initializer_range": 0.02,
+}
+
+
+def test_final_preset_is_the_released_config_json():
+    """configs/olmo3-7b-final.yaml describes what hf-to-orbax reads from the released config.json, so a run can start
+    from the converted weights (init_from compares every non-compute field)."""
+    from olmo3eqx.config import load_yaml
+
+    released = hf.config_from_hf(RELEASED_7B_CONFIG)
+    assert released.rope_scaling.rope_type == "yarn" and released.rope_scaling.factor == 8.0
+    preset = load_yaml(REPO / "configs" / "olmo3-7b-final.yaml").model
+    assert checkpoint.model_config_mismatch(released, preset) == []
+    assert hf.config_mismatches(released, preset) == []
+    # transformers reads the same file as YaRN on the full-attention layers and plain RoPE on the sliding ones.
+    ref = transformers.Olmo3Config(**RELEASED_7B_CONFIG).rope_parameters
+    assert ref[F]["rope_type"] == "yarn" and ref[S]["rope_type"] == "default"
+    assert hf.rope_to_hf(released)["rope_parameters"][F] == {**ref[F], "rope_theta": 500000.0}
 
 
 def test_kl_stats_against_torch():

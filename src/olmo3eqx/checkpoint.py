@@ -244,9 +244,13 @@ COMPUTE_ONLY_FIELDS = ("remat", "attention_impl", "scan_layers", "compute_dtype"
 
 
 def model_config_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    return [f"{f.name} (checkpoint {getattr(saved, f.name)!r}, config {getattr(current, f.name)!r})"
+    def value(cfg: ModelConfig, name: str):
+        # layer_types None is OLMo's rule spelled out: a converted config.json lists it, a preset leaves it unset.
+        return cfg.resolved_layer_types if name == "layer_types" else getattr(cfg, name)
+
+    return [f"{f.name} (checkpoint {value(saved, f.name)!r}, config {value(current, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)
-            if f.name not in COMPUTE_ONLY_FIELDS and getattr(saved, f.name) != getattr(current, f.name)]
+            if f.name not in COMPUTE_ONLY_FIELDS and value(saved, f.name) != value(current, f.name)]
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
