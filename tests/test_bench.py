@@ -88,3 +88,23 @@ def test_step_bench_compares_with_the_fastest_torch_contender(monkeypatch):
     best = bench_step.fastest_torch(results)
     assert best["tiny"]["contender"] == "transformers+torch (tcmalloc)" and best["tiny"]["median"] == 6.0
     assert best["small"]["contender"] == "transformers+torch"
+
+
+@pytest.mark.slow
+def test_convert_bench_round_trips_a_toy_checkpoint(monkeypatch, tmp_path, capsys):
+    """bench_convert end to end at toy width: both commands ran in their own processes, the round trip was checked and
+    the table, the 7B estimate and the JSON came out; its files are gone."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_convert
+
+    out = tmp_path / "convert.json"
+    argv = ["--width", "tiny", "--layers", "4", "--vocab", "1000", "--shard-gb", "0.0002", "--dir", str(tmp_path),
+            "--json", str(out)]
+    assert bench_convert.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "bit-identical" in text and "OLMo 3 7B" in text
+    data = json.loads(out.read_text())
+    assert data["sizes"]["shards"] > 1 and data["tensors_checked"] == 2 + 4 * 11 + 1
+    for name in ("hf-to-orbax", "orbax-to-hf"):
+        assert data["results"][name]["rc"] == 0 and data["results"][name]["peak_rss_bytes"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]

@@ -7,6 +7,7 @@ peaked) saved with `save_pretrained`; nothing is downloaded.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -49,6 +50,31 @@ CONFIGS = {
                                  S: {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 SEQ, BATCH = 48, 2
+
+UNKNOWN_ROPE_TYPES = ("llama3", "dynamic", "longrope", "linear")
+
+
+def per_type_rope(theta: float, **yarn) -> dict:
+    """rope_parameters as transformers >= 5.13 writes them: YaRN on full-attention layers, plain on sliding ones."""
+    return {F: {"rope_type": "yarn", "rope_theta": theta, **yarn}, S: {"rope_type": "default", "rope_theta": theta}}
+
+
+# YaRN configs, parity-checked at sequences several times original_max_position_embeddings (YARN_SEQ).
+YARN = dict(factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+            attention_factor=1.2079441541679836)
+YARN_CONFIGS = {
+    # (f) the released model's YaRN, scaled down: OLMo's pattern (3 sliding + 1 full), factor 8 over 64 positions.
+    "yarn": dict(num_hidden_layers=4, sliding_window=16, max_position_embeddings=512,
+                 rope_parameters=per_type_rope(500000.0, **YARN)),
+    # (g) grouped-query, 8 layers scanned as two periods, head_dim 32, factor 4 over 128 positions, betas 16 / 2 and
+    # an attention factor of its own (1.1, not 0.1 ln 4 + 1). Theta stays transformers' default: a legacy file with
+    # another top-level theta is refused (transformers >= 5 gives it to the full-attention layers only).
+    "yarn-gqa-scan": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                          num_hidden_layers=8, sliding_window=32, max_position_embeddings=512,
+                          rope_parameters=per_type_rope(500000.0, factor=4.0, original_max_position_embeddings=128,
+                                                        beta_fast=16.0, beta_slow=2.0, attention_factor=1.1)),
+}
+YARN_SEQ = {"yarn": 384, "yarn-gqa-scan": 512}
 
 # Noise floor, measured on these configs (2 x 48 random tokens, both sides bfloat16, HF eager attention,
 # |logit| up to ~11): mean KL 2e-4 .. 9.5e-4 per token, max 8.5e-4 .. 2.8e-3, top-1 95-100%, max |logit diff|
@@ -114,6 +140,165 @@ def test_parity_detects_a_wrong_model(hf_case):
     assert stats["kl_mean"] > 1e-3, stats
 
 
+# --- YaRN: per layer type, every config.json form ------------------------------------------------
+
+
+def _rewrite_config(src: Path, dst: Path, edit) -> Path:
+    """A copy of HF directory `src` whose config.json `edit` changed; the weights are hard links."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            os.link(f, dst / f.name)
+    d = json.loads((src / "config.json").read_text())
+    edit(d)
+    (dst / "config.json").write_text(json.dumps(d))
+    return dst
+
+
+def _legacy_form(d: dict) -> None:
+    """What AI2's released files carry (transformers 4.57): top-level rope_theta and rope_scaling."""
+    full = d.pop("rope_parameters")[F]
+    d["rope_theta"] = full.pop("rope_theta")
+    d["rope_scaling"] = full
+
+
+def _flat_form(d: dict) -> None:
+    """What transformers 5.0-5.12 wrote: one flat rope_parameters set."""
+    d["rope_parameters"] = d["rope_parameters"][F]
+
+
+def _every_layer(d: dict) -> None:
+    """YaRN on the sliding layers too: what transformers 5.0-5.12 (and MaxText) computed."""
+    d["rope_parameters"][S] = dict(d["rope_parameters"][F])
+
+
+@pytest.fixture(scope="module")
+def yarn_dirs(tmp_path_factory):
+    """name -> {form: directory} of each YaRN config, made on first use: the per-type form is transformers' own
+    save_pretrained (in several shards), the other forms rewrite its config.json."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(name: str) -> dict[str, Path]:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            save_tiny_hf_model(root / "per_type", seed=2, max_shard_size="100KB", **YARN_CONFIGS[name])
+            made[name] = {"per_type": root / "per_type"}
+            for form, edit in (("legacy", _legacy_form), ("flat", _flat_form), ("every_layer", _every_layer)):
+                made[name][form] = _rewrite_config(made[name]["per_type"], root / form, edit)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=sorted(YARN_CONFIGS))
+def yarn_case(request, yarn_dirs):
+    """(name, {form: directory}, tokens) for one YaRN config."""
+    tokens = np.random.default_rng(3).integers(0, 1000, (1, YARN_SEQ[request.param]))
+    return request.param, yarn_dirs(request.param), tokens
+
+
+def test_yarn_float32_parity_past_the_original_length(yarn_case):
+    """KL <= 1e-7 and 100% top-1 against transformers (>= 5.13: YaRN on full-attention layers only) at sequences
+    several times original_max_position_embeddings, for the file as transformers saved it and in AI2's released
+    (legacy) form, which transformers reads itself."""
+    name, dirs, tokens = yarn_case
+    model, cfg = hf.load_hf(dirs["per_type"])
+    assert cfg.rope_scaling.rope_type == "yarn" and tokens.shape[1] >= 4 * cfg.rope_scaling.original_max_position_embeddings
+    for form in ("per_type", "legacy"):
+        stats = hf.logit_parity(dirs[form], model, tokens, jnp.float32)
+        print(f"\n{name} {form} float32 {tokens.shape[1]} tokens: {stats}")
+        assert stats["kl_mean"] <= 1e-7 and stats["kl_max"] <= 1e-6 and stats["top1"] == 1.0, (form, stats)
+
+
+def test_yarn_on_every_layer_fails_parity(yarn_case):
+    """The parity check tells the two YaRN placements apart: transformers with YaRN on every layer (as 5.0-5.12 and
+    MaxText apply it) is far from AI2's model, and such a config.json is refused by name."""
+    name, dirs, tokens = yarn_case
+    model, _ = hf.load_hf(dirs["per_type"])
+    ours = our_logits(model, tokens)
+    stats = hf.kl_stats(hf.hf_logits(dirs["every_layer"], tokens, jnp.float32), ours)
+    print(f"\n{name} YaRN on every layer: {stats}")
+    assert stats["kl_mean"] > 1e-3, stats
+    with pytest.raises(hf.ConversionError, match="to sliding_attention layers"):
+        hf.read_hf_config(dirs["every_layer"])
+
+
+def test_every_config_json_form_is_the_same_model(yarn_case):
+    """Legacy rope_scaling, per-type rope_parameters and the flat 5.0-5.12 form give one ModelConfig (the flat one
+    with a warning); transformers reads the first two alike and the flat one as plain RoPE, which is why parity
+    hands it the per-type form."""
+    import transformers
+
+    name, dirs, tokens = yarn_case
+    warnings: dict[str, list[str]] = {}
+    cfgs = {form: hf.read_hf_config(dirs[form], warn=warnings.setdefault(form, []).append)
+            for form in ("per_type", "legacy", "flat")}
+    assert cfgs["per_type"] == cfgs["legacy"] == cfgs["flat"]
+    assert not warnings["per_type"] and not warnings["legacy"]
+    assert len(warnings["flat"]) == 1 and "5.0-5.12" in warnings["flat"][0]
+    read = {form: transformers.AutoConfig.from_pretrained(dirs[form]).rope_parameters for form in dirs}
+    assert read["legacy"] == read["per_type"]
+    assert read["flat"][F]["rope_type"] == "default", "transformers read the flat form's YaRN after all"
+    model, _ = hf.load_hf(dirs["flat"], warn=lambda _: None)
+    stats = hf.logit_parity(dirs["flat"], model, tokens, jnp.float32)
+    print(f"\n{name} flat float32: {stats}")
+    assert stats["kl_mean"] <= 1e-7 and stats["top1"] == 1.0, stats
+
+
+def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys, monkeypatch):
+    """hf-to-orbax (streamed leaf by leaf onto the 8-device mesh, from AI2's legacy form in several shards) ->
+    load_model is load_hf's model; orbax-to-hf writes a directory transformers reads as the source's RoPE per layer
+    type, with the source's tensors. Tensors move in pieces of 4 KiB here, so every piece boundary is crossed."""
+    dirs = yarn_dirs("yarn")
+    model, cfg = hf.load_hf(dirs["per_type"])
+    monkeypatch.setattr(hf, "CHUNK_BYTES", 4096)
+    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
+    assert _cli(["hf-to-orbax", "--hf-dir", dirs["legacy"], "--out", ckpt, "--skip-parity"], capsys)[0] == 0
+    assert _cli(["orbax-to-hf", "--ckpt", ckpt, "--out", back, "--max-shard-gb", "0.0001"], capsys)[0] == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["0"]
+    restored, rcfg = checkpoint.load_model(ckpt)
+    assert rcfg == cfg
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    import transformers
+
+    src = transformers.AutoModelForCausalLM.from_pretrained(dirs["per_type"], dtype=torch.float32)
+    out = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
+    assert out.config.rope_parameters == src.config.rope_parameters
+    assert len(list(back.glob("model-*.safetensors"))) > 1
+    for k, v in src.state_dict().items():
+        assert torch.equal(out.state_dict()[k], v), k
+
+
+# allenai/Olmo-3-1025-7B's config.json as public copies of it give it (transformers 4.57's form).
+RELEASED_7B_CONFIG = {
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
+    "rope_theta": 500000, "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "factor": 8.0, "original_max_position_embeddings": 8192,
+                                           "rope_type": "yarn"},
+    "sliding_window": 4096, "layer_types": [S, S, S, F] * 8, "tie_word_embeddings": False, "vocab_size": 100278,
+    "eos_token_id": 100257, "pad_token_id": 100277, "bos_token_id": None, "initializer_range": 0.02,
+}
+
+
+def test_final_preset_is_the_released_config_json():
+    """configs/olmo3-7b-final.yaml describes what hf-to-orbax reads from the released config.json, so a run can start
+    from the converted weights (init_from compares every non-compute field)."""
+    from olmo3eqx.config import load_yaml
+
+    released = hf.config_from_hf(RELEASED_7B_CONFIG)
+    assert released.rope_scaling.rope_type == "yarn" and released.rope_scaling.factor == 8.0
+    preset = load_yaml(REPO / "configs" / "olmo3-7b-final.yaml").model
+    assert checkpoint.model_config_mismatch(released, preset) == []
+    assert hf.config_mismatches(released, preset) == []
+    # transformers reads the same file as YaRN on the full-attention layers and plain RoPE on the sliding ones.
+    ref = transformers.Olmo3Config(**RELEASED_7B_CONFIG).rope_parameters
+    assert ref[F]["rope_type"] == "yarn" and ref[S]["rope_type"] == "default"
+    assert hf.rope_to_hf(released)["rope_parameters"][F] == {**ref[F], "rope_theta": 500000.0}
+
+
 def test_kl_stats_against_torch():
     rng = np.random.default_rng(0)
     p, q = rng.normal(size=(3, 5, 17)) * 3, rng.normal(size=(3, 5, 17)) * 3
@@ -126,10 +311,14 @@ def test_kl_stats_against_torch():
     assert stats["tokens"] == 15
 
 
-def test_round_trip_through_save_hf(tmp_path):
-    """HF -> ours -> save_hf (several shards) -> transformers: bit-exact tensors and identical logits."""
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_round_trip_through_save_hf(tmp_path, rope):
+    """HF -> ours -> save_hf (several shards) -> transformers: bit-exact tensors, the same RoPE per layer type as
+    transformers read from the source, and identical logits."""
     src = tmp_path / "src"
-    save_tiny_hf_model(src, seed=3, **{**CONFIGS["odd"], "layer_types": [F, S, F]})
+    yarn = dict(max_position_embeddings=320, rope_parameters=per_type_rope(
+        10000.0, factor=5.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0))
+    save_tiny_hf_model(src, seed=3, **{**CONFIGS["odd"], "layer_types": [F, S, F], **(yarn if rope == "yarn" else {})})
     model, cfg = hf.load_hf(src)
     files = hf.save_hf(model, cfg, tmp_path / "out", max_shard_bytes=60_000)
     assert len(files) > 2 and (tmp_path / "out" / hf.INDEX_FILE).is_file()
@@ -139,12 +328,16 @@ def test_round_trip_through_save_hf(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert back.config.layer_types == ref.config.layer_types and back.config.head_dim == ref.config.head_dim
-    assert back.config.rope_parameters == ref.config.rope_parameters
+    want = ref.config.rope_parameters
+    if rope == "yarn":  # we write the attention factor that transformers derives when a file leaves it out
+        want[F].setdefault("attention_factor", 0.1 * math.log(want[F]["factor"]) + 1)
+    assert back.config.rope_parameters == want
     want, got = ref.state_dict(), back.state_dict()
     assert set(want) == set(got)
     for k in want:
         assert torch.equal(want[k], got[k]), k
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 40))
+    assert (cfg.rope_scaling.rope_type == "yarn") == (rope == "yarn")
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 100))
     np.testing.assert_array_equal(torch_logits(back, tokens), torch_logits(ref, tokens))
 
     # load_hf reads the sharded directory back to the same leaves.
@@ -192,8 +385,15 @@ def test_config_defaults_follow_transformers():
     ({"rope_parameters": {F: {"rope_type": "default", "rope_theta": 1e4},
                           S: {"rope_type": "default", "rope_theta": 5e5}}}, "one rope_theta"),
     ({"rope_theta": 1e4}, "one rope_theta"),  # legacy key: transformers >= 5 applies it to full layers only
-    ({"rope_parameters": {F: {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0},
-                          S: {"rope_type": "default", "rope_theta": 5e5}}}, "'yarn'"),
+    *[({"rope_scaling": {"rope_type": t, "factor": 8.0}}, f"rope_type {t!r} for full_attention layers; supported are "
+                                                          f"'default', 'yarn'") for t in UNKNOWN_ROPE_TYPES],
+    ({"rope_parameters": {F: {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0},
+                          S: {"rope_type": "default", "rope_theta": 5e5}}}, "'llama3'"),
+    ({"rope_parameters": {F: {"rope_type": "default", "rope_theta": 5e5},
+                          S: {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}}, "to sliding_attention layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.7}}, "sets mscale"),
+    ({"rope_scaling": {"rope_type": "yarn"}}, "without a factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 1.0, "beta_slow": 2.0}}, "must exceed"),
     ({"model_type": "llama"}, "'llama'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
@@ -241,6 +441,8 @@ def _one_clear_line(err: str) -> str:
      "missing tensor model.layers.1.mlp.up_proj.weight"),
     ("extra", lambda t: t.update({"model.layers.0.mlp.bias": np.zeros(3, np.float32)}),
      "unexpected tensor model.layers.0.mlp.bias"),
+    ("renamed", lambda t: t.update({"model.layers.0.mlp.up_projX.weight": t.pop("model.layers.0.mlp.up_proj.weight")}),
+     "missing tensor model.layers.0.mlp.up_proj.weight; unexpected tensor model.layers.0.mlp.up_projX.weight"),
     ("shape", lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}),
      "model.layers.0.self_attn.k_proj.weight in model.safetensors has shape [64, 64]"),
 ])

@@ -2,7 +2,9 @@
 
 Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
     C/<step>/state/      the train state's arrays as one tree (olmo3eqx.state.TrainState: model, opt_state, ...);
-                         `convert.py hf-to-orbax` writes a state holding only {"model": ...}, as step 0
+                         `convert.py hf-to-orbax` writes a state holding only {"model": ...}, as step 0, one leaf at
+                         a time (save_model_leaves), and orbax-to-hf reads it back one leaf at a time
+                         (restore_model_leaf)
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
 Readers that need part of a state (the model for evaluation or conversion, model and moments for `init_from`)
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
 from olmo3eqx.model import OLMo3, abstract_model
@@ -37,6 +42,33 @@ def save_model(directory: str | Path, model: OLMo3, cfg: ModelConfig, step: int 
             state=ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array)}),
             config=ocp.args.JsonSave(config)), force=True)
         mngr.wait_until_finished()
+
+
+def _nest(path: tuple[str, ...], leaf) -> dict:
+    """{"a": {"b": leaf}} for path ("a", "b"): one model leaf as a tree orbax saves and restores under the same keys
+    as the leaf inside the saved OLMo3 (module attributes and dict keys name a leaf alike)."""
+    for name in reversed(path):
+        leaf = {name: leaf}
+    return leaf
+
+
+def save_model_leaves(directory: str | Path, cfg: ModelConfig, leaves: Iterable[tuple[tuple[str, ...], jax.Array]],
+                      step: int = 0, extra_config: dict | None = None) -> None:
+    """Write step `step` of the checkpoint directory from the model's leaves given one at a time as (attribute path,
+    array), e.g. (("blocks", "mlp", "up_proj", "weight"), x): each is written (orbax's partial save) and released
+    before the next is asked for, so memory stays near one leaf. The result is save_model's layout, read back by
+    load_model and restore_parts. Staged under `<step>.partial` and renamed into place when complete. One process
+    (the conversion tools run in one)."""
+    directory = Path(directory).absolute()
+    staging, final = directory / f"{step}.partial", directory / str(step)
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, leaf in leaves:
+        ocp_partial.save(staging, {"model": _nest(path, leaf)})
+        del leaf
+    ocp_partial.finalize(staging)
+    config = {"model": to_dict(cfg), **(extra_config or {})}
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(staging / "config", args=ocp.args.JsonSave(config))
+    staging.rename(final)
 
 
 def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
@@ -71,15 +103,16 @@ def saved_parts(root: Path, step: int) -> list[str]:
     return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
 
 
-def restore_parts(root: Path, step: int, targets: dict[str, Any]) -> dict[str, Any]:
+def restore_parts(root: Path, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
     """Top-level parts of a step's saved state, each restored onto its target (a tree like the part, whose array
-    leaves are sharded ShapeDtypeStructs, see sharding.with_shardings); the other parts are not read."""
+    leaves are sharded ShapeDtypeStructs, see sharding.with_shardings; `restore_args`, a tree like `targets`, can ask
+    for another type); the other parts are not read."""
     missing = sorted(set(targets) - set(saved_parts(root, step)))
     if missing:
         raise ConfigError(f"Checkpoint {root / str(step)} holds no {', '.join(missing)}; a converted checkpoint holds "
                           f"the model only.")
-    args = ocp.args.PyTreeRestore(item=targets, restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
-                                  partial_restore=True)
+    restore_args = restore_args or ocp.checkpoint_utils.construct_restore_args(targets)
+    args = ocp.args.PyTreeRestore(item=targets, restore_args=restore_args, partial_restore=True)
     with ocp.CheckpointManager(root, item_names=(STATE,)) as mngr:
         return dict(mngr.restore(step, args=ocp.args.Composite(state=args))[STATE])
 
@@ -95,10 +128,25 @@ def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLM
     return eqx.combine(restored, static)
 
 
+def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
+    """One model leaf (attribute path, as in save_model_leaves) of a step's state, shaped `like`, as a host array (no
+    device needs to hold it); no other array is read."""
+    restore_args = _nest(path, ocp.RestoreArgs(restore_type=np.ndarray, dtype=like.dtype))
+    tree = restore_parts(root, step, {"model": _nest(path, like)}, {"model": restore_args})["model"]
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+def open_model(ckpt_dir: str | Path) -> tuple[Path, int, ModelConfig]:
+    """(manager root, step, model config) of a checkpoint directory (manager root, run dir or step dir)."""
+    root, step = resolve_step_dir(ckpt_dir)
+    return root, step, model_config_from_dict(read_config(root, step), str(root / str(step)))
+
+
 def load_model(ckpt_dir: str | Path, sharding=None) -> tuple[OLMo3, ModelConfig]:
     """The model and its config from a checkpoint directory (manager root, run dir or step dir)."""
-    root, step = resolve_step_dir(ckpt_dir)
-    cfg = model_config_from_dict(read_config(root, step), str(root / str(step)))
+    root, step, cfg = open_model(ckpt_dir)
     return restore_model(root, step, cfg, sharding), cfg
 
 
@@ -196,9 +244,13 @@ COMPUTE_ONLY_FIELDS = ("remat", "attention_impl", "scan_layers", "compute_dtype"
 
 
 def model_config_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    return [f"{f.name} (checkpoint {getattr(saved, f.name)!r}, config {getattr(current, f.name)!r})"
+    def value(cfg: ModelConfig, name: str):
+        # layer_types None is OLMo's rule spelled out: a converted config.json lists it, a preset leaves it unset.
+        return cfg.resolved_layer_types if name == "layer_types" else getattr(cfg, name)
+
+    return [f"{f.name} (checkpoint {value(saved, f.name)!r}, config {value(current, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)
-            if f.name not in COMPUTE_ONLY_FIELDS and getattr(saved, f.name) != getattr(current, f.name)]
+            if f.name not in COMPUTE_ONLY_FIELDS and value(saved, f.name) != value(current, f.name)]
 
 
 def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:

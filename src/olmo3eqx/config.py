@@ -7,6 +7,7 @@ Defaults are the OLMo 3 7B stage-1 recipe (configs/olmo3-7b-stage1.yaml); `confi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,6 +46,41 @@ def check_signs(cfg: Any, section: str, *, positive: tuple[str, ...] = (), non_n
             raise ConfigError(f"{section}.{name} must be non-negative, got {getattr(cfg, name)}.")
 
 
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE scaling of the full-attention layers; sliding layers always keep plain RoPE, as OLMo-core's
+    `with_rope_scaling` applies it. Names as `transformers`' rope_parameters; the defaults are OLMo 3 7B's after its
+    long-context stage, so `rope_type: yarn` alone gives the released model's YaRN."""
+
+    rope_type: Literal["default", "yarn"] = "default"
+    """default: plain RoPE on every layer (the other fields are unused); yarn: YaRN on the full-attention layers."""
+    factor: float = 8.0
+    """Context extension: the interpolated frequencies are the plain ones divided by this."""
+    original_max_position_embeddings: int = 8192
+    """Sequence length the model was trained at before the extension (OLMo 3: 8192)."""
+    beta_fast: float = 32.0
+    """Rotations over original_max_position_embeddings above which a frequency is kept as is."""
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is fully interpolated; a linear ramp lies between the two."""
+    attention_factor: float | None = None
+    """Multiplies RoPE's sin and cos (so attention logits by its square); None means 0.1 * ln(factor) + 1, as
+    OLMo-core computes it (1.2079441541679836 for factor 8, the released config.json's value), and is replaced by that
+    number, so a config and a converted checkpoint that agree on it compare equal."""
+
+    def __post_init__(self):
+        check_choices(self, "model.rope_scaling")
+        check_signs(self, "model.rope_scaling", positive=("original_max_position_embeddings", "beta_slow"))
+        if not self.factor >= 1:
+            raise ConfigError(f"model.rope_scaling.factor must be at least 1, got {self.factor}.")
+        if self.attention_factor is None:
+            object.__setattr__(self, "attention_factor", 0.1 * math.log(self.factor) + 1.0)
+        if not self.beta_fast > self.beta_slow:
+            raise ConfigError(f"model.rope_scaling.beta_fast ({self.beta_fast}) must exceed beta_slow "
+                              f"({self.beta_slow}).")
+        if not self.attention_factor > 0:
+            raise ConfigError(f"model.rope_scaling.attention_factor must be positive, got {self.attention_factor}.")
+
+
 def olmo_layer_types(num_layers: int) -> tuple[str, ...]:
     """OLMo 3's pattern: layer i is global iff i % 4 == 3, sliding otherwise."""
     return tuple(FULL if i % 4 == 3 else SLIDING for i in range(num_layers))
@@ -75,7 +111,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (OLMo 3: 1e-6; transformers' default 1e-5 is not OLMo's)."""
     rope_theta: float = 500000.0
-    """RoPE base frequency."""
+    """RoPE base frequency, of every layer."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE scaling of the full-attention layers (YaRN for the released OLMo 3 7B); sliding layers keep plain RoPE."""
     max_position_embeddings: int = 65536
     """Written to config.json for transformers; RoPE here has no length limit."""
     initializer_range: float = 0.02
@@ -105,7 +143,7 @@ class ModelConfig:
         check_choices(self, "model")
         check_signs(self, "model", positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                              "num_attention_heads", "num_key_value_heads", "head_dim",
-                                             "sliding_window"))
+                                             "sliding_window", "rope_theta"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -6,6 +6,11 @@ An HF checkpoint directory holds `config.json` and either one `model.safetensors
 50304 there, not ours. HF Linear weights are [out, in] (ours [in, out]); per-layer tensors
 `model.layers.{i}.*` are stacked along our leading layer axis. Reading uses safetensors' numpy API and JSON
 only: nothing is unpickled, and torch is imported only by `logit_parity`.
+
+RoPE is read from any of the forms config.json has carried (rope_from_hf): AI2's released files (legacy
+`rope_scaling`), transformers >= 5.13 (`rope_parameters` per layer type) and 5.0-5.12 (one flat `rope_parameters`),
+all as AI2 trained the model: YaRN on the full-attention layers only. Both directions move one tensor at a time
+(read_leaf, write_hf), so a conversion never needs the whole model in host memory.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from olmo3eqx.config import FULL, SLIDING, ConfigError, ModelConfig, olmo_layer_types
+from olmo3eqx.config import FULL, SLIDING, ConfigError, ModelConfig, RopeScalingConfig, olmo_layer_types
 from olmo3eqx.model import OLMo3, abstract_model, cast_floating
 
 CONFIG_FILE = "config.json"
@@ -56,7 +61,7 @@ TOKENIZER_FILE = "tokenizer.json"
 # The ModelConfig fields that change the forward pass: two configs agreeing on these give the same logits.
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "sliding_window", "resolved_layer_types", "rms_norm_eps",
-               "rope_theta")
+               "rope_theta", "rope_scaling")
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 10**9
 
@@ -72,39 +77,121 @@ def dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
-def _rope_theta(d: dict, layer_types: tuple[str, ...], where: str) -> float:
-    """The one RoPE theta of the layer types in use; we support plain RoPE with a single theta."""
+ROPE_TYPES = ("default", "yarn")
+"""RoPE types this model computes; any other (llama3, dynamic, longrope, linear...) stops the conversion."""
+YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor",
+             "beta_fast", "beta_slow", "truncate"}
+"""Keys of a YaRN parameter set that AI2's YaRN has; others (mscale, mscale_all_dim, ...) are refused by name."""
+FLAT_FORM_WARNING = (
+    "{where} gives one flat rope_parameters set with rope_type {rope_type!r}, as transformers 5.0-5.12 wrote it; that "
+    "library applied it to every layer, and newer ones read this form as plain RoPE everywhere (5.24 does). Reading it "
+    "as AI2 trained the model: {rope_type} on the full-attention layers only, plain RoPE on the sliding ones.")
+
+
+def _is_flat(params: dict) -> bool:
+    return not ({FULL, SLIDING} & set(params))
+
+
+def _per_layer_type_rope(d: dict, where: str, warn) -> dict[str, dict]:
+    """RoPE parameters per layer type from any config.json form, read as AI2 means them.
+
+    Legacy `rope_scaling` (+ top-level `rope_theta`, what AI2's released files carry) and per-type `rope_parameters`
+    (transformers >= 5.13) are read as transformers >= 5.13 reads them: the scaling and the top-level theta go to the
+    full-attention layers, sliding layers keep the default RoPE. A flat `rope_parameters` set (5.0-5.12) goes to the
+    full-attention layers likewise, its theta to both, with FLAT_FORM_WARNING.
+    """
     params = d.get("rope_parameters")
+    legacy = d.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise ConversionError(f"{where} has {name} {value!r}; it must be a JSON object.")
+    top_theta = d.get("rope_theta") or HF_DEFAULTS["rope_theta"]
     if params is None:
-        if d.get("rope_scaling"):
-            raise ConversionError(
-                f"{where} sets rope_scaling {d['rope_scaling']}; only plain (default) RoPE is supported.")
-        # transformers >= 5 applies a legacy top-level rope_theta to full-attention layers only; sliding
-        # layers keep the default. Mirror that, so a file it reads one way is never read another way here.
-        theta = float(d.get("rope_theta", HF_DEFAULTS["rope_theta"]))
-        params = {FULL: {"rope_theta": theta}, SLIDING: {"rope_theta": HF_DEFAULTS["rope_theta"]}}
-    elif "rope_theta" in params or "rope_type" in params:  # one set of parameters for every layer type
-        params = {FULL: params, SLIDING: params}
-    thetas = {}
-    for kind in sorted(set(layer_types)):
-        p = params.get(kind) or {}
-        rope_type = p.get("rope_type", "default")
+        per_type = {FULL: {}, SLIDING: {}}
+    elif _is_flat(params):
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise ConversionError(
-                f"{where} uses rope_type {rope_type!r} for {kind} layers; only plain (default) RoPE is supported.")
-        thetas[kind] = float(p.get("rope_theta", d.get("rope_theta", HF_DEFAULTS["rope_theta"])))
+            warn(FLAT_FORM_WARNING.format(where=where, rope_type=rope_type))
+        per_type = {FULL: dict(params), SLIDING: {"rope_theta": params.get("rope_theta", top_theta)}}
+    else:
+        per_type = {kind: dict(params.get(kind) or {}) for kind in (FULL, SLIDING)}
+    if legacy:
+        per_type[FULL].update(legacy)
+    # transformers gives the top-level theta to the full-attention layers only; sliding ones fall back to its default.
+    per_type[FULL].setdefault("rope_theta", top_theta)
+    per_type[SLIDING].setdefault("rope_theta", HF_DEFAULTS["rope_theta"])
+    return per_type
+
+
+def _scaling_from_hf(p: dict, kind: str, max_positions: int, where: str) -> RopeScalingConfig:
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConversionError(f"{where} uses rope_type {rope_type!r} for {kind} layers; supported are "
+                              f"{', '.join(map(repr, ROPE_TYPES))} (YaRN on full-attention layers, as AI2's OLMo 3).")
+    if rope_type == "default":
+        return RopeScalingConfig()
+    if kind == SLIDING:
+        raise ConversionError(f"{where} applies {rope_type!r} RoPE to sliding_attention layers; AI2's OLMo 3 scales "
+                              f"RoPE on full-attention layers only, and so does this model.")
+    unknown = sorted(set(p) - YARN_KEYS)
+    if unknown:
+        raise ConversionError(f"{where} sets {', '.join(unknown)} in its YaRN parameters, which AI2's YaRN does not "
+                              f"have; only {', '.join(sorted(YARN_KEYS - {'type'}))} are supported.")
+    if p.get("truncate", True) is not True:
+        raise ConversionError(f"{where} sets YaRN truncate {p['truncate']!r}; AI2's YaRN always truncates the ramp.")
+    if p.get("factor") is None:
+        raise ConversionError(f"{where} gives YaRN without a factor; set rope_scaling.factor (OLMo 3: 8.0).")
+    try:
+        return RopeScalingConfig(
+            rope_type="yarn", factor=float(p["factor"]),
+            # transformers' fallbacks for keys a YaRN set leaves out
+            original_max_position_embeddings=int(p.get("original_max_position_embeddings") or max_positions),
+            beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
+            attention_factor=None if p.get("attention_factor") is None else float(p["attention_factor"]))
+    except ConfigError as e:
+        raise ConversionError(f"{where} has YaRN parameters this model cannot use: {e}") from None
+
+
+def rope_from_hf(d: dict, layer_types: tuple[str, ...], max_positions: int, where: str,
+                 warn=None) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, rope_scaling) of a parsed config.json, whichever form it writes RoPE in (see _per_layer_type_rope).
+
+    One theta for every layer kind in use, plain RoPE on sliding layers, default or YaRN on full ones; anything else
+    stops with ConversionError naming it. `warn` (default: a line on stderr) gets FLAT_FORM_WARNING.
+    """
+    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    per_type = _per_layer_type_rope(d, where, warn)
+    kinds = sorted(set(layer_types))
+    thetas = {kind: float(per_type[kind]["rope_theta"]) for kind in kinds}
     if len(set(thetas.values())) > 1:
         raise ConversionError(
             f"{where} gives different RoPE thetas per layer type ({thetas}); this model supports one rope_theta "
             f"for all layers.")
-    return next(iter(thetas.values()))
+    scaling = {kind: _scaling_from_hf(per_type[kind], kind, max_positions, where) for kind in kinds}
+    return next(iter(thetas.values())), scaling.get(FULL, RopeScalingConfig())
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """config.json's RoPE keys: per-type `rope_parameters` as transformers >= 5.13 writes them, plus the legacy
+    top-level `rope_theta` and `rope_scaling` of AI2's released files for readers older than transformers 5."""
+    plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out = {"rope_parameters": {FULL: dict(plain), SLIDING: dict(plain)}, "rope_theta": cfg.rope_theta}
+    r = cfg.rope_scaling
+    if r.rope_type == "yarn":
+        yarn = {"rope_type": "yarn", "factor": r.factor,
+                "original_max_position_embeddings": r.original_max_position_embeddings,
+                "beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "attention_factor": r.attention_factor}
+        out["rope_parameters"][FULL] = {**yarn, "rope_theta": cfg.rope_theta}
+        out["rope_scaling"] = yarn
+    return out
 
 
 def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE,
-                   token_ids: dict[str, int] | None = None) -> ModelConfig:
+                   token_ids: dict[str, int] | None = None, warn=None) -> ModelConfig:
     """A ModelConfig from a parsed config.json; params and compute both in `dtype` (parity needs that). `token_ids`
     gives eos_token_id / pad_token_id where config.json has none (resolve_token_ids finds them elsewhere); without
-    an EOS from either this stops, and a missing PAD becomes the EOS (padding is never scored)."""
+    an EOS from either this stops, and a missing PAD becomes the EOS (padding is never scored). `warn` as in
+    rope_from_hf."""
     model_type = d.get("model_type")
     if model_type != "olmo3":
         raise ConversionError(f"{where} has model_type {model_type!r}; only 'olmo3' checkpoints are supported.")
@@ -122,6 +209,8 @@ def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE,
     layer_types = tuple(d["layer_types"]) if d.get("layer_types") is not None else olmo_layer_types(layers)
     if d.get("sliding_window") is None and "sliding_window" in d and SLIDING in layer_types:
         raise ConversionError(f"{where} has sliding_attention layers but sliding_window null; set the window size.")
+    max_positions = int(get("max_position_embeddings"))
+    theta, rope_scaling = rope_from_hf(d, layer_types, max_positions, where, warn)
     ids = {**(token_ids or {}), **{name: v for name in TOKEN_IDS if (v := _token_id(d.get(name))) is not None}}
     if "eos_token_id" not in ids:
         raise ConversionError(f"{where} has no eos_token_id and nothing else names one; pass --eos-token-id to "
@@ -140,8 +229,9 @@ def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE,
             sliding_window=int(get("sliding_window")),
             layer_types=layer_types,
             rms_norm_eps=float(get("rms_norm_eps")),
-            rope_theta=_rope_theta(d, layer_types, where),
-            max_position_embeddings=int(get("max_position_embeddings")),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             initializer_range=float(get("initializer_range")),
             eos_token_id=eos,
             pad_token_id=pad,
@@ -154,7 +244,6 @@ def config_from_hf(d: dict, dtype=jnp.float32, where: str = CONFIG_FILE,
 
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
     """config.json contents for `transformers.Olmo3ForCausalLM`."""
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return {
         "architectures": ["Olmo3ForCausalLM"],
         "model_type": "olmo3",
@@ -173,8 +262,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps,
         "sliding_window": cfg.sliding_window,
         "layer_types": list(cfg.resolved_layer_types),
-        "rope_parameters": {FULL: dict(rope), SLIDING: dict(rope)},
-        "rope_theta": cfg.rope_theta,  # for transformers < 5, which reads only this
+        **rope_to_hf(cfg),
         "bos_token_id": None,
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
@@ -266,7 +354,12 @@ def read_hf_architecture(path: str | Path, like: ModelConfig) -> ModelConfig:
     """An HF directory's ModelConfig for comparing its architecture with `like` (config_mismatches). Token ids do not
     change the forward pass, so those config.json lacks are taken from `like` instead of stopping."""
     return config_from_hf(read_config_json(path), where=str(Path(path) / CONFIG_FILE),
-                          token_ids={name: getattr(like, name) for name in TOKEN_IDS})
+                          token_ids={name: getattr(like, name) for name in TOKEN_IDS}, warn=lambda _: None)
+
+
+def read_hf_config(path: str | Path, dtype=jnp.float32, warn=None) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory (reads config.json only); `warn` as in rope_from_hf."""
+    return config_from_hf(read_config_json(path), dtype, str(Path(path) / CONFIG_FILE), warn)
 
 
 def config_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
@@ -312,7 +405,8 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
-def _get(tree, path: tuple[str, ...]):
+def leaf_of(tree, path: tuple[str, ...]):
+    """The leaf at attribute path `path` of a model-shaped tree (the model, its abstract twin, its shardings)."""
     for name in path:
         tree = getattr(tree, name)
     return tree
@@ -324,7 +418,7 @@ def _first(names: Iterable[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + more
 
 
-# --- load -----------------------------------------------------------------------------------------
+# --- load: checked once, then read tensor by tensor -----------------------------------------------
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -351,17 +445,35 @@ def _is_ignorable(name: str) -> bool:
     return ".rotary_emb." in name  # non-persistent RoPE buffers some older exports carry
 
 
-def load_hf(path: str | Path, dtype=jnp.float32, eos_token_id: int | None = None,
-            pad_token_id: int | None = None) -> tuple[OLMo3, ModelConfig]:
-    """An OLMo3 (params and compute in `dtype`) and its config from an HF Olmo3 checkpoint directory, its token ids
-    from resolve_token_ids (the given ids fill only what the checkpoint lacks).
+def leaf_groups(specs: list[TensorSpec]) -> dict[tuple[str, ...], list[TensorSpec]]:
+    """Model leaf path -> its HF tensors (one per layer, in layer order, for a stacked block leaf), in spec order."""
+    groups: dict[tuple[str, ...], list[TensorSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.path, []).append(s)
+    return groups
 
-    Every tensor is checked by name and shape before any is read; a missing, unexpected or mis-shaped
-    tensor raises ConversionError naming it.
-    """
+
+@dataclasses.dataclass(frozen=True)
+class HFWeights:
+    """An HF checkpoint directory whose tensors were checked against its config.json (names, shapes, dtypes)."""
+
+    path: Path
+    cfg: ModelConfig
+    files: dict[str, Path]
+    """HF tensor name -> the safetensors file holding it."""
+    specs: list[TensorSpec]
+
+
+def open_hf(path: str | Path, dtype=jnp.float32, warn=None, eos_token_id: int | None = None,
+            pad_token_id: int | None = None) -> HFWeights:
+    """Check an HF Olmo3 directory before reading any weight: ConversionError names every missing and every
+    unexpected tensor together (a renamed tensor shows where it went), a mis-shaped one, a non-float one. `dtype` is
+    the ModelConfig's param and compute dtype; `warn` as in rope_from_hf; the token ids come from resolve_token_ids
+    (the given ids fill only what the checkpoint lacks)."""
     path = Path(path)
     raw = read_config_json(path)
-    cfg = config_from_hf(raw, dtype, str(path / CONFIG_FILE), resolve_token_ids(path, eos_token_id, pad_token_id))
+    cfg = config_from_hf(raw, dtype, str(path / CONFIG_FILE), resolve_token_ids(path, eos_token_id, pad_token_id),
+                         warn)
     files = _weight_files(path)
     specs = tensor_specs(cfg)
     if raw.get("tie_word_embeddings", False) and "lm_head.weight" not in files:
@@ -369,112 +481,231 @@ def load_hf(path: str | Path, dtype=jnp.float32, eos_token_id: int | None = None
         specs[-1] = dataclasses.replace(specs[-1], hf_name="model.embed_tokens.weight")
     expected = {s.hf_name for s in specs}
     missing = expected - set(files)
-    if missing:
-        raise ConversionError(f"{path} is missing tensor {_first(missing)} for the config in its {CONFIG_FILE}.")
     unexpected = {n for n in files if n not in expected and not _is_ignorable(n)}
-    if unexpected:
-        raise ConversionError(f"{path} has unexpected tensor {_first(unexpected)}; it is not an Olmo3ForCausalLM "
-                              f"of the architecture its {CONFIG_FILE} describes.")
+    if missing or unexpected:
+        found = ([f"missing tensor {_first(missing)}"] if missing else []) + \
+                ([f"unexpected tensor {_first(unexpected)}"] if unexpected else [])
+        raise ConversionError(f"{path} does not hold the Olmo3ForCausalLM tensors its {CONFIG_FILE} implies: "
+                              f"{'; '.join(found)}.")
+    by_file: dict[Path, list[TensorSpec]] = {}
+    for s in specs:
+        by_file.setdefault(files[s.hf_name], []).append(s)
+    for file, file_specs in by_file.items():
+        with safe_open(str(file), framework="numpy") as f:
+            keys = set(f.keys())
+            for s in file_specs:
+                if s.hf_name not in keys:
+                    raise ConversionError(f"Tensor {s.hf_name} is not in {file.name}, where {INDEX_FILE} says it is.")
+                info = f.get_slice(s.hf_name)
+                if tuple(info.get_shape()) != s.hf_shape:
+                    raise ConversionError(f"Tensor {s.hf_name} in {file.name} has shape {list(info.get_shape())} but "
+                                          f"{CONFIG_FILE} implies {list(s.hf_shape)}.")
+                if info.get_dtype() not in SAFETENSORS_FLOATS:
+                    raise ConversionError(f"Tensor {s.hf_name} in {file.name} has dtype {info.get_dtype()}; expected "
+                                          f"a floating-point tensor ({', '.join(SAFETENSORS_FLOATS)}).")
+    return HFWeights(path, cfg, files, specs)
 
-    np_dtype = jnp.dtype(dtype)
-    with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="numpy")) for f in set(files.values())}
-        for s in specs:
-            if s.hf_name not in handles[files[s.hf_name]].keys():
-                raise ConversionError(f"Tensor {s.hf_name} is not in {files[s.hf_name].name}, where {INDEX_FILE} "
-                                      f"says it is.")
-            shape = tuple(handles[files[s.hf_name]].get_slice(s.hf_name).get_shape())
-            if shape != s.hf_shape:
-                raise ConversionError(f"Tensor {s.hf_name} in {files[s.hf_name].name} has shape {list(shape)} but "
-                                      f"{CONFIG_FILE} implies {list(s.hf_shape)}.")
 
-        def read(s: TensorSpec) -> np.ndarray:
-            x = handles[files[s.hf_name]].get_tensor(s.hf_name)
-            if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16:
-                raise ConversionError(f"Tensor {s.hf_name} has dtype {x.dtype}; expected a floating-point tensor.")
-            return (x.T if s.transpose else x).astype(np_dtype)
+CHUNK_BYTES = 64 * 2**20
+"""Most bytes of one HF tensor in flight at once, read (each piece opens its file afresh) or written."""
+HOST_ALIGNMENT = 64
+"""Byte alignment at which JAX's CPU client adopts a numpy buffer as a device buffer instead of copying it."""
 
-        leaves: dict[tuple[str, ...], jax.Array] = {}
-        for s in specs:
-            if s.layer is None:
-                leaves[s.path] = jax.device_put(read(s))
-        # One stacked host buffer per block leaf at a time, then onto the device.
-        layer_specs = [s for s in specs if s.layer is not None]
-        for leaf_path in dict.fromkeys(s.path for s in layer_specs):
-            group = [s for s in layer_specs if s.path == leaf_path]
-            first = read(group[0])
-            stacked = np.empty((cfg.num_hidden_layers, *first.shape), np_dtype)
-            stacked[0] = first
-            for s in group[1:]:
-                stacked[s.layer] = read(s)
-            leaves[leaf_path] = jax.device_put(stacked)
-            del stacked
 
-    # Fill OLMo3.init's own (abstract) tree, so structure, shapes and dtypes are init's by construction.
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array starting on a HOST_ALIGNMENT boundary: put on a CPU device it is aliased, not copied,
+    so building a leaf there costs one leaf of host memory, not two."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + HOST_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _read_into(out: np.ndarray, w: HFWeights, s: TensorSpec, index: tuple[slice, ...]) -> None:
+    """Fill `out` with the part `index` (in our orientation) of HF tensor `s`, cast to out's dtype, CHUNK_BYTES
+    of it at a time along the HF tensor's first axis. Each piece opens the file for itself: safetensors maps files
+    into memory, and the pages a read touches stay resident until the file is closed."""
+    hf_index = tuple(index[::-1]) if s.transpose else tuple(index)
+    rows = range(s.hf_shape[0])[hf_index[0]]
+    step = max(1, CHUNK_BYTES // max(1, out.nbytes // max(1, len(rows))))
+    for start in range(0, len(rows), step):
+        piece = rows[start:start + step]
+        with safe_open(str(w.files[s.hf_name]), framework="numpy") as f:
+            x = f.get_slice(s.hf_name)[(slice(piece.start, piece.stop), *hf_index[1:])]
+        if s.transpose:  # HF [out, in] rows are our columns
+            out[:, start:start + len(piece)] = x.T
+        else:
+            out[start:start + len(piece)] = x
+
+
+def read_leaf(w: HFWeights, path: tuple[str, ...], sharding: jax.sharding.Sharding, dtype) -> jax.Array:
+    """One model leaf, built on `sharding` from the HF tensors: each device's shard is read from the files on its own,
+    piece by piece into one host buffer that a CPU device adopts as is, so no host holds more of the leaf than its
+    devices' parts (plus one CHUNK_BYTES piece)."""
+    group = leaf_groups(w.specs)[path]
+    s0 = group[0]
+    part = s0.hf_shape[::-1] if s0.transpose else s0.hf_shape
+    shape = part if s0.layer is None else (len(group), *part)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        out = aligned_empty(tuple(len(range(n)[i]) for n, i in zip(shape, index)), dtype)
+        if s0.layer is None:
+            _read_into(out, w, s0, index)
+        else:
+            for j, layer in enumerate(range(len(group))[index[0]]):
+                _read_into(out[j], w, group[layer], index[1:])
+        return out
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def iter_leaves(w: HFWeights, shardings, dtype) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
+    """(leaf path, array) for every model leaf, one at a time; `shardings` is a tree like the model's arrays (see
+    sharding.tree_shardings) or one Sharding for all."""
+    for path in leaf_groups(w.specs):
+        one = shardings if isinstance(shardings, jax.sharding.Sharding) else leaf_of(shardings, path)
+        yield path, read_leaf(w, path, one, dtype)
+
+
+def model_from_leaves(cfg: ModelConfig, leaves: dict[tuple[str, ...], jax.Array]) -> OLMo3:
+    """Fill OLMo3.init's own (abstract) tree, so structure, shapes and dtypes are init's by construction."""
     abstract = abstract_model(cfg)
     paths = list(leaves)
     for p in paths:
-        want = _get(abstract, p)
+        want = leaf_of(abstract, p)
         if (leaves[p].shape, leaves[p].dtype) != (want.shape, want.dtype):
             raise AssertionError(f"load_hf built {'.'.join(p)} as {leaves[p].shape} {leaves[p].dtype}, OLMo3.init "
                                  f"as {want.shape} {want.dtype}; the name mapping is wrong.")
-    model = eqx.tree_at(lambda m: [_get(m, p) for p in paths], abstract, [leaves[p] for p in paths])
+    model = eqx.tree_at(lambda m: [leaf_of(m, p) for p in paths], abstract, [leaves[p] for p in paths])
     left = [x for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct)]
     if left:
         raise AssertionError(f"load_hf left {len(left)} model leaves unfilled; the name mapping is incomplete.")
-    return model, cfg
+    return model
 
 
-# --- save -----------------------------------------------------------------------------------------
+def load_weights(w: HFWeights, sharding=None) -> OLMo3:
+    """The whole model of a checked directory in w.cfg's param dtype, each leaf read tensor by tensor onto `sharding`
+    (one Sharding, or a tree of them like the model's arrays; default the first device)."""
+    sharding = sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return model_from_leaves(w.cfg, dict(iter_leaves(w, sharding, w.cfg.param_dtype)))
 
 
-def save_hf(model: OLMo3, cfg: ModelConfig, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            dtype=None) -> list[Path]:
-    """Write `model` as an HF Olmo3ForCausalLM directory (config.json, safetensors shards and their index).
+def load_hf(path: str | Path, dtype=jnp.float32, sharding=None, warn=None, eos_token_id: int | None = None,
+            pad_token_id: int | None = None) -> tuple[OLMo3, ModelConfig]:
+    """An OLMo3 (params and compute in `dtype`) and its config from an HF Olmo3 checkpoint directory, its token ids
+    from resolve_token_ids (the given ids fill only what the checkpoint lacks).
 
-    Tensors are fetched from the device one at a time into the shard being written, so host memory stays
-    near one shard. `dtype` (default: cfg.param_dtype) is the stored dtype. Returns the shard files.
+    Every tensor is checked by name, shape and dtype before any is read (open_hf), then read onto `sharding` as in
+    load_weights. The whole model ends up in memory: to convert without holding it, iterate iter_leaves instead (as
+    `convert.py hf-to-orbax` does).
     """
-    path = Path(path)
-    out_dtype = jnp.dtype(dtype if dtype is not None else cfg.param_dtype)
-    specs = tensor_specs(cfg)
-    for s in specs:
-        leaf = _get(model, s.path)
-        shape = tuple(leaf.shape[1:] if s.layer is not None else leaf.shape)
-        want = s.hf_shape[::-1] if s.transpose else s.hf_shape
-        if shape != want:
-            raise ConversionError(f"Model leaf {'.'.join(s.path)} has shape {list(shape)} but the config implies "
-                                  f"{list(want)}; the model and its config disagree.")
-    # Plan the shards first (sizes are known from shapes) so file names can carry the shard count.
+    w = open_hf(path, dtype, warn, eos_token_id, pad_token_id)
+    return load_weights(w, sharding), w.cfg
+
+
+# --- save: planned from shapes, then written tensor by tensor --------------------------------------
+
+SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+"""Stored dtypes and their safetensors names."""
+SAFETENSORS_FLOATS = ("F64", "F32", "BF16", "F16")
+"""safetensors dtypes a checkpoint's weights may have."""
+
+
+def plan_shards(specs: list[TensorSpec], itemsize: int, max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive specs packed into files of at most max_shard_bytes (a tensor larger than that gets its own)."""
     shards: list[list[TensorSpec]] = [[]]
     used = 0
     for s in specs:
-        size = math.prod(s.hf_shape) * out_dtype.itemsize
+        size = math.prod(s.hf_shape) * itemsize
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0
         shards[-1].append(s)
         used += size
+    return shards
 
-    path.mkdir(parents=True, exist_ok=True)
+
+def _start_safetensors(file: Path, specs: list[TensorSpec], dtype: str) -> dict[str, int]:
+    """Write the safetensors header of `specs` (stored in this order, as `dtype`) and return each tensor's absolute
+    byte offset in the file, so tensors can be written in any order without holding the shard in memory. Format
+    (safetensors' own): u64 little-endian header length, JSON header padded with spaces to 8 bytes, raw data."""
+    itemsize = jnp.dtype(dtype).itemsize
+    header, begin = {"__metadata__": {"format": "pt"}}, 0
+    for s in specs:
+        end = begin + math.prod(s.hf_shape) * itemsize
+        header[s.hf_name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(s.hf_shape), "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+    data = 8 + len(text)
+    return {s.hf_name: data + header[s.hf_name]["data_offsets"][0] for s in specs}
+
+
+def _write_tensor(f, offset: int, t: np.ndarray, s: TensorSpec, dtype: str) -> None:
+    """Write our tensor `t` as HF tensor `s` at byte `offset` of open file `f`, transposed and cast CHUNK_BYTES at a
+    time (rows of the HF tensor)."""
+    if (t.shape[::-1] if s.transpose else t.shape) != s.hf_shape:
+        raise ConversionError(f"Model leaf {'.'.join(s.path)} gives {s.hf_name} the shape "
+                              f"{list(t.shape[::-1] if s.transpose else t.shape)} but the config implies "
+                              f"{list(s.hf_shape)}; the model and its config disagree.")
+    step = max(1, CHUNK_BYTES // max(1, math.prod(s.hf_shape[1:]) * jnp.dtype(dtype).itemsize))
+    f.seek(offset)
+    for start in range(0, s.hf_shape[0], step):
+        piece = t[:, start:start + step].T if s.transpose else t[start:start + step]
+        np.ascontiguousarray(piece, dtype=dtype).tofile(f)
+
+
+def write_hf(path: str | Path, cfg: ModelConfig, leaf: Callable[[tuple[str, ...]], np.ndarray | jax.Array],
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype=None) -> list[Path]:
+    """Write an HF Olmo3ForCausalLM directory (config.json, safetensors shards, their index) from `leaf(path)`, which
+    gives one model leaf at a time (a host array restored from a checkpoint, or a device array of a model); each is
+    fetched to the host once, written out piece by piece and released before the next is asked for, so host memory
+    stays near one leaf. Files are laid out layer by layer, as transformers writes them. `dtype` (default
+    cfg.param_dtype) is the stored dtype. Returns the shard files."""
+    path = Path(path)
+    out = jnp.dtype(dtype if dtype is not None else cfg.param_dtype).name
+    if out not in SAFETENSORS_DTYPE:
+        raise ConversionError(f"Stored dtype {out} is not one of {', '.join(SAFETENSORS_DTYPE)}.")
+    specs = tensor_specs(cfg)
+    shards = plan_shards(specs, jnp.dtype(out).itemsize, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    weight_map, total = {}, 0
+    path.mkdir(parents=True, exist_ok=True)
+    where, offsets = {}, {}
     for name, shard in zip(names, shards):
-        tensors = {}
-        for s in shard:
-            leaf = _get(model, s.path)
-            x = np.asarray(jax.device_get(leaf[s.layer] if s.layer is not None else leaf)).astype(out_dtype)
-            tensors[s.hf_name] = np.ascontiguousarray(x.T if s.transpose else x)
-            weight_map[s.hf_name] = name
-            total += x.nbytes
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        del tensors
+        offsets.update(_start_safetensors(path / name, shard, out))
+        where.update({s.hf_name: name for s in shard})
+    with ExitStack() as stack:
+        handles = {name: stack.enter_context(open(path / name, "r+b")) for name in names}
+        for leaf_path, group in leaf_groups(specs).items():
+            x = np.asarray(jax.device_get(leaf(leaf_path)))
+            for s in group:
+                _write_tensor(handles[where[s.hf_name]], offsets[s.hf_name], x if s.layer is None else x[s.layer], s,
+                              out)
+            del x
     if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        total = sum(math.prod(s.hf_shape) for s in specs) * jnp.dtype(out).itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": where}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, out_dtype.name), indent=2) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(cfg, out), indent=2) + "\n")
     return [path / name for name in names]
+
+
+def save_hf(model: OLMo3, cfg: ModelConfig, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            dtype=None) -> list[Path]:
+    """Write `model` as an HF Olmo3ForCausalLM directory (write_hf): its shapes are checked against `cfg` before any
+    file is written; tensors go from the device to the file one at a time."""
+    for s in tensor_specs(cfg):
+        leaf = leaf_of(model, s.path)
+        shape = tuple(leaf.shape[1:] if s.layer is not None else leaf.shape)
+        want = s.hf_shape[::-1] if s.transpose else s.hf_shape
+        if shape != want:
+            raise ConversionError(f"Model leaf {'.'.join(s.path)} has shape {list(shape)} but the config implies "
+                                  f"{list(want)}; the model and its config disagree.")
+    return write_hf(path, cfg, lambda p: leaf_of(model, p), max_shard_bytes, dtype)
 
 
 # --- parity ---------------------------------------------------------------------------------------
@@ -521,15 +752,32 @@ def kl_stats(ref_logits: np.ndarray, logits: np.ndarray) -> dict:
     }
 
 
-def hf_logits(hf_model_dir: str | Path, tokens: np.ndarray, dtype) -> np.ndarray:
-    """`transformers`' own Olmo3 forward (eager attention) on `tokens`, logits as float32 numpy."""
+def is_flat_scaled_form(d: dict) -> bool:
+    """config.json carries a flat, scaled rope_parameters set (transformers 5.0-5.12), see FLAT_FORM_WARNING."""
+    params = d.get("rope_parameters")
+    return isinstance(params, dict) and _is_flat(params) and \
+        params.get("rope_type", params.get("type", "default")) != "default"
+
+
+def hf_logits(hf_model_dir: str | Path, tokens: np.ndarray, dtype, like: ModelConfig | None = None) -> np.ndarray:
+    """`transformers`' own Olmo3 forward (eager attention) on `tokens`, logits as float32 numpy.
+
+    transformers reads config.json itself, except for the flat form of 5.0-5.12, which it would read as plain RoPE:
+    there it gets the per-type RoPE of AI2's reading (rope_to_hf), the form it writes itself. `like` supplies the
+    token ids a config.json may lack (read_hf_architecture); they do not change the logits.
+    """
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name(dtype)]
+    config = transformers.AutoConfig.from_pretrained(str(hf_model_dir))
+    if is_flat_scaled_form(read_config_json(hf_model_dir)):
+        ours = (read_hf_architecture(hf_model_dir, like) if like is not None
+                else read_hf_config(hf_model_dir, warn=lambda _: None))
+        config.rope_parameters = rope_to_hf(ours)["rope_parameters"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(hf_model_dir), dtype=torch_dtype, attn_implementation="eager")
+        str(hf_model_dir), config=config, dtype=torch_dtype, attn_implementation="eager")
     hf.eval()
     with torch.no_grad():
         out = hf(input_ids=torch.from_numpy(np.asarray(tokens, np.int64))).logits
@@ -554,5 +802,5 @@ def logit_parity(hf_model_dir: str | Path, model: OLMo3, tokens_batch: Int[np.nd
     tokens = np.asarray(tokens_batch)
     check_tokens(tokens, model.cfg.vocab_size)
     ours = np.asarray(batch_logits(with_dtype(model, dtype), jnp.asarray(tokens, jnp.int32)), np.float32)
-    ref = hf_logits(hf_model_dir, tokens, dtype)
+    ref = hf_logits(hf_model_dir, tokens, dtype, model.cfg)
     return kl_stats(ref, ours)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from olmo3eqx.attention import attention
-from olmo3eqx.config import SLIDING, ModelConfig
+from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -75,14 +75,63 @@ def rotate_half(x: Float[Array, "*b d"]) -> Float[Array, "*b d"]:
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-def rope(x: Float[Array, "*batch seq heads dim"], theta: float) -> Float[Array, "*batch seq heads dim"]:
-    """Rotary embedding, NeoX rotate-half layout, sin/cos and the rotation in float32."""
-    seq, _, dim = x.shape[-3:]
+def yarn_ramp_bounds(dim: int, theta: float, scaling: RopeScalingConfig) -> tuple[int, float]:
+    """(low, span) of YaRN's ramp over the dim/2 frequency indices, as OLMo-core computes them (nn/rope.py,
+    YaRNRoPEScalingConfig): the index where a frequency turns `beta` rotations over original_max_position_embeddings,
+    truncated (floor for beta_fast, ceil for beta_slow) and clamped to [0, dim/2 - 1]. transformers clamps the upper
+    bound to dim - 1 instead: the two agree whenever ceil(index(beta_slow)) < dim/2, which includes OLMo 3 7B (35 < 64)."""
+
+    def index(rotations: float) -> float:
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(index(scaling.beta_fast)), 0)
+    high = min(math.ceil(index(scaling.beta_slow)), dim // 2 - 1)
+    return low, float(max(high - low, 1e-3))  # OLMo-core's guard against a zero-width ramp
+
+
+def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig | None) -> tuple[Float[Array, " half"], float]:
+    """(inverse frequencies in float32, attention factor): plain RoPE for `scaling` None or rope_type default, else
+    YaRN as OLMo-core's YaRNRoPEScalingConfig: the plain frequencies blended into plain / factor by a linear ramp
+    (0 keeps a frequency, 1 interpolates it fully), sin and cos then scaled by the attention factor."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    freqs = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq, 1.0
+    low, span = yarn_ramp_bounds(dim, theta, scaling)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / span, 0.0, 1.0)
+    inv_freq = (inv_freq / scaling.factor) * ramp + inv_freq * (1.0 - ramp)
+    return inv_freq, scaling.attention_factor
+
+
+class RopeTable(eqx.Module):
+    """cos and sin of every position's rotation angles, float32, [seq, head_dim]: computed once per layer kind
+    (OLMo3.hidden) and shared by every layer of that kind."""
+
+    cos: Float[Array, "seq dim"]
+    sin: Float[Array, "seq dim"]
+
+    @staticmethod
+    def build(seq: int, dim: int, theta: float, scaling: RopeScalingConfig | None) -> RopeTable:
+        inv_freq, attention_factor = rope_frequencies(dim, theta, scaling)
+        freqs = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        cos, sin = jnp.cos(emb), jnp.sin(emb)
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return RopeTable(cos, sin)
+
+
+def rope_tables(seq: int, cfg: ModelConfig) -> dict[str, RopeTable]:
+    """One table per layer kind in use: sliding layers plain RoPE, full layers RoPE with cfg.rope_scaling."""
+    kinds = {SLIDING: None, FULL: cfg.rope_scaling}
+    return {kind: RopeTable.build(seq, cfg.head_dim, cfg.rope_theta, kinds[kind])
+            for kind in sorted(set(cfg.resolved_layer_types))}
+
+
+def rope(x: Float[Array, "*batch seq heads dim"], table: RopeTable) -> Float[Array, "*batch seq heads dim"]:
+    """Rotary embedding, NeoX rotate-half layout, the rotation in float32."""
     x32 = x.astype(jnp.float32)
-    return (x32 * jnp.cos(emb) + rotate_half(x32) * jnp.sin(emb)).astype(x.dtype)
+    cos, sin = table.cos[:, None, :], table.sin[:, None, :]
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
 
 
 class Attention(eqx.Module):
@@ -107,14 +156,14 @@ class Attention(eqx.Module):
             k_norm=RMSNorm.init(kv_width, cfg),
         )
 
-    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig,
-                 sliding: bool) -> Float[Array, "*batch seq hidden"]:
+    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool,
+                 table: RopeTable) -> Float[Array, "*batch seq hidden"]:
         lead = x.shape[:-1]
         # QK-norm over the full projections, before splitting heads and before RoPE.
         q = self.q_norm(self.q_proj(x)).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_norm(self.k_proj(x)).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+        q, k = rope(q, table), rope(k, table)
         # A causal window of W keys including the query itself: i-(W-1) <= j <= i.
         out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl)
         return self.o_proj(out.reshape(*lead, cfg.num_attention_heads * cfg.head_dim))
@@ -156,9 +205,9 @@ class Block(eqx.Module):
             post_feedforward_norm=RMSNorm.init(cfg.hidden_size, cfg),
         )
 
-    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig,
-                 sliding: bool) -> Float[Array, "*batch seq hidden"]:
-        h = x + self.post_attention_norm(self.attn(x, cfg, sliding))
+    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool,
+                 table: RopeTable) -> Float[Array, "*batch seq hidden"]:
+        h = x + self.post_attention_norm(self.attn(x, cfg, sliding, table))
         return h + self.post_feedforward_norm(self.mlp(h))
 
 
@@ -209,21 +258,20 @@ class OLMo3(eqx.Module):
         if cfg.num_hidden_layers // period <= MAX_UNROLLED_GROUPS.get(cfg.remat, 1):
             period = cfg.num_hidden_layers  # too few repeats for a scan to pay (see MAX_UNROLLED_GROUPS)
         groups = cfg.num_hidden_layers // period
-        sliding = tuple(t == SLIDING for t in types[:period])
-
-        def block_fn(block: Block, x: Array, is_sliding: bool) -> Array:
-            return block(x, cfg, is_sliding)
+        # Outside the scan: each kind's table is computed once, not once per layer.
+        tables = rope_tables(tokens.shape[-1], cfg)
 
         block_fns: list[Callable] = []
-        for s in sliding:
-            f = lambda blk, h, s=s: block_fn(blk, h, s)  # noqa: E731
+        for kind in types[:period]:
+            def f(blk: Block, h: Array, table: RopeTable, s: bool = kind == SLIDING) -> Array:
+                return blk(h, cfg, s, table)
             if cfg.remat != "none":
                 f = jax.checkpoint(f, policy=REMAT[cfg.remat])
             block_fns.append(f)
 
         def run_group(x: Array, group: Block) -> Array:
-            for j, f in enumerate(block_fns):
-                x = f(jax.tree.map(lambda a: a[j], group), x)
+            for j, (f, kind) in enumerate(zip(block_fns, types[:period])):
+                x = f(jax.tree.map(lambda a: a[j], group), x, tables[kind])
             return x
 
         stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)

@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from olmo3eqx import exits
+from olmo3eqx.tools import hostmem
 from olmo3eqx.config import ConfigError
 
 
@@ -40,6 +41,27 @@ def _refuse_existing(path: Path, what: str) -> None:
         raise FileExistsError(f"{what} {path} already exists and is not empty; choose a new path or delete it.")
 
 
+def conversion_shardings(cfg):
+    """Where a conversion puts each model leaf: the training rule (sharding.partition_spec) on the default mesh over
+    every device of this process (FSDP over all of them), so no device holds more than its part of a leaf."""
+    import equinox as eqx
+    import jax
+
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.model import abstract_model
+    from olmo3eqx.sharding import is_leaf_like, make_mesh, tree_shardings
+
+    return tree_shardings(eqx.filter(abstract_model(cfg), is_leaf_like), make_mesh(MeshConfig(), jax.local_devices()))
+
+
+def released_between(leaves):
+    """`leaves`, with the memory malloc kept from each one's write handed back before the next is read."""
+    for path, leaf in leaves:
+        yield path, leaf
+        del leaf
+        hostmem.release_freed_memory()
+
+
 def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
                 skip_parity: bool = False, seq_len: int = 128, batch: int = 2, seed: int = 0,
                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> None:
@@ -49,27 +71,37 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
     from --eos-token-id / --pad-token-id (OLMo-core's save_hf_model writes null for both); no EOS from any of them
     stops the conversion.
 
+    The checkpoint is written one model leaf at a time, each read tensor by tensor into its shards on this
+    process's devices: host memory stays near the largest leaf. The parity check needs both whole models
+    (`transformers`' and ours) in memory; --skip-parity converts without it (then run `convert.py parity`).
+
     Args:
         hf_dir: HF checkpoint directory (config.json + safetensors).
         out: Orbax checkpoint directory to create.
         dtype: Stored parameter dtype (the parity check always runs in float32, before the cast).
         max_kl: Refuse to write if the float32 mean KL(HF || ours) per token exceeds this.
         force: Write even if the parity check fails.
-        skip_parity: Do not run the parity check (no torch/transformers needed).
+        skip_parity: Do not run the parity check (no torch/transformers needed; memory bounded by one leaf).
         seq_len: Tokens per parity sequence.
         batch: Parity sequences.
         seed: Seed of the random parity tokens.
         eos_token_id: End-of-document token id, for a checkpoint that names none (dolma2: 100257).
         pad_token_id: Padding token id, for a checkpoint that names none (dolma2: 100277); default the EOS.
     """
+    import dataclasses
+
     import jax.numpy as jnp
 
     from olmo3eqx import checkpoint, hf
 
     _refuse_existing(out, "Output checkpoint")
-    model, cfg = hf.load_hf(hf_dir, jnp.float32, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    # every name, shape and dtype checked before any work
+    weights = hf.open_hf(hf_dir, jnp.float32, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not skip_parity:
-        stats = hf.logit_parity(hf_dir, model, random_tokens(cfg.vocab_size, batch, seq_len, seed), jnp.float32)
+        model = hf.load_weights(weights)
+        stats = hf.logit_parity(hf_dir, model, random_tokens(weights.cfg.vocab_size, batch, seq_len, seed),
+                                jnp.float32)
+        del model
         print(format_parity(stats, "float32", batch, seq_len))
         if not stats["kl_mean"] <= max_kl:
             msg = (f"Float32 mean KL {stats['kl_mean']:.3e} exceeds --max-kl {max_kl:g}; the conversion is wrong "
@@ -77,15 +109,17 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
             if not force:
                 raise ParityFailed(msg + " Nothing written (pass --force to write anyway).")
             print(f"warning: {msg} Writing anyway (--force).", file=sys.stderr)
-    if dtype != "float32":
-        model = hf.with_dtype(model, dtype)
-        cfg = model.cfg
-    checkpoint.save_model(out, model, cfg, step=0)
+    cfg = dataclasses.replace(weights.cfg, param_dtype=dtype, compute_dtype=dtype)
+    leaves = hf.iter_leaves(weights, conversion_shardings(cfg), dtype)
+    checkpoint.save_model_leaves(out, cfg, released_between(leaves), step=0)
     print(f"wrote {out} (step 0, {dtype})")
 
 
 def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
     """Convert an orbax checkpoint (newest step, or a step directory) to an HF Olmo3 checkpoint directory.
+
+    Each model leaf is restored on its own, to host memory, and written out piece by piece: host memory stays near
+    the largest leaf.
 
     Args:
         ckpt: Orbax checkpoint directory (manager root, run directory or one step directory).
@@ -94,10 +128,17 @@ def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb:
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
     """
     from olmo3eqx import checkpoint, hf
+    from olmo3eqx.model import abstract_model
 
     _refuse_existing(out, "Output directory")
-    model, cfg = checkpoint.load_model(ckpt)
-    files = hf.save_hf(model, cfg, out, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
+    root, step, cfg = checkpoint.open_model(ckpt)
+    abstract = abstract_model(cfg)
+
+    def leaf(path: tuple[str, ...]):
+        hostmem.release_freed_memory()  # what the previous leaf's restore left in malloc's arenas
+        return checkpoint.restore_model_leaf(root, step, path, hf.leaf_of(abstract, path))
+
+    files = hf.write_hf(out, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
           f"{dtype or cfg.param_dtype})")
 
@@ -144,8 +185,10 @@ def demo(out: Path, seed: int = 0) -> None:
           f"  python convert.py orbax-to-hf --ckpt {out}-orbax --out {out}-hf")
 
 
-def save_tiny_hf_model(out: Path, seed: int = 0, init_std: float = 0.5, **config) -> None:
-    """A small random Olmo3ForCausalLM via `transformers`, saved with save_pretrained.
+def save_tiny_hf_model(out: Path, seed: int = 0, init_std: float = 0.5, max_shard_size: str | None = None,
+                       **config) -> None:
+    """A small random Olmo3ForCausalLM via `transformers`, saved with save_pretrained (in shards of `max_shard_size`,
+    e.g. "100KB", when given).
 
     Embeddings are N(0, 1), Linear weights N(0, init_std^2 / fan_in) (the LM head 4x that, so the next-token
     distributions are peaked and top-1 agreement means something), norm weights 1 + N(0, 0.25) (not all ones,
@@ -170,7 +213,7 @@ def save_tiny_hf_model(out: Path, seed: int = 0, init_std: float = 0.5, **config
             else:
                 scale = 4.0 if name == "lm_head.weight" else 1.0
                 p.copy_(torch.randn_like(p) * scale * init_std / p.shape[1] ** 0.5)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
 
 
 COMMANDS = {"hf-to-orbax": hf_to_orbax, "orbax-to-hf": orbax_to_hf, "parity": parity, "demo": demo}
