@@ -359,7 +359,7 @@ def read_hf_architecture(path: str | Path, like: ModelConfig) -> ModelConfig:
 
 def read_hf_config(path: str | Path, dtype=jnp.float32, warn=None) -> ModelConfig:
     """The ModelConfig of an HF checkpoint directory (reads config.json only); `warn` as in rope_from_hf."""
-    return config_from_hf(read_config_json(path), dtype, str(Path(path) / CONFIG_FILE), warn)
+    return config_from_hf(read_config_json(path), dtype, str(Path(path) / CONFIG_FILE), warn=warn)
 
 
 def config_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
