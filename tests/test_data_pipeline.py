@@ -184,6 +184,22 @@ def test_ngram_filter_masks_and_counts(tmp_path):
         assert np.array_equal(np.sort(index), np.arange(8))  # rejected instances keep their place
 
 
+def test_heldout_instances_in_file_order_padded_with_minus_one(files):
+    """What a held-out pass reads (evaluator.ShardedScorer.heldout_loss: ids 0..n-1 in file order, the last batch
+    padded with -1): packed instances are the files' consecutive instances, a -1 row is all weight 0."""
+    from olmo3eqx.data.heldout import heldout_instances
+
+    packed = heldout_instances(files, mode="packed", seq_len=SEQ, token_dtype="uint16", vocab_size=VOCAB, eos_id=0,
+                               pad_id=1, what="eval.heldout")
+    assert packed.num_instances == NUM_INSTANCES
+    flat = np.concatenate([np.fromfile(f, np.uint16)[: n * SEQ] for f, n in zip(files, FILE_INSTANCES)])
+    ids = np.arange(0, NUM_INSTANCES + 40, dtype=np.int64)
+    tokens, weights = packed.read(np.where(ids < NUM_INSTANCES, ids, -1))
+    assert np.array_equal(tokens[:NUM_INSTANCES].ravel(), flat)
+    assert np.all(weights[:NUM_INSTANCES, :-1] == 1) and np.all(weights[:, -1] == 0)
+    assert np.all(weights[NUM_INSTANCES:] == 0)
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 

@@ -11,8 +11,9 @@ epoch, number of instances) only, never on the number of processes.
   epoch 1); with chunk_size c > 1 (max_target_seq_len = c * seq_len) the chunk ids are shuffled instead and each
   expands to c consecutive instances. Each epoch's index is written once beside the run under OLMo-core's own file
   name (global_indices_dataset_size{N}_epoch{E}_seed{S}_v1.npy, the same bytes OLMo-core caches in its work_dir),
-  by one process per file system while the others wait on a file lock, renamed into place when complete, and
-  memory-mapped read-only: a resumed run or another process maps the same file.
+  by one process per file system while the others wait on a file lock (only that process ever holds an epoch's
+  index in memory, while building it), renamed into place when complete, and memory-mapped read-only: a resumed
+  run or another process maps the same file.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ FEISTEL_ROUNDS = 6
 """Rounds of the keyed Feistel network behind each epoch's permutation (ours)."""
 INDEX_DTYPE = np.dtype(np.uint32)
 """OLMo-core stores its global indices as uint32 (so it refuses 2**32 - 1 instances or more)."""
-WRITE_BLOCK = 1 << 24
-"""Index entries written per block while building an epoch's index (64 MiB of uint32)."""
 
 
 # --- ours ------------------------------------------------------------------------------------------
@@ -103,28 +102,27 @@ def index_size(num_instances: int, chunk_size: int) -> int:
     return num_instances // chunk_size * chunk_size
 
 
-def write_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, chunk_size: int) -> None:
-    """OLMo-core's global indices of one epoch (NumpyFSLDataLoader._build_global_indices), built in a memory-mapped
-    temporary file beside `path` (one epoch's index, never a second copy) and renamed into place when complete."""
+def epoch_index(*, num_instances: int, seed: int, epoch: int, chunk_size: int) -> np.ndarray:
+    """OLMo-core's global indices of one epoch (NumpyFSLDataLoader._build_global_indices), in memory."""
     rng = np.random.Generator(np.random.PCG64(seed + epoch))
-    size = index_size(num_instances, chunk_size)
+    if chunk_size == 1:
+        index = np.arange(num_instances, dtype=INDEX_DTYPE)
+        rng.shuffle(index)
+        return index
+    chunks = np.arange(num_instances // chunk_size, dtype=INDEX_DTYPE)
+    rng.shuffle(chunks)
+    return (chunks[:, None] * INDEX_DTYPE.type(chunk_size) + np.arange(chunk_size, dtype=INDEX_DTYPE)).reshape(-1)
+
+
+def write_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, chunk_size: int) -> None:
+    """Build one epoch's index in memory (shuffling it in a file mapping instead ran 5x slower: every random swap
+    dirties a page the kernel must write back) and write it to a temporary file beside `path`, renamed into place
+    when complete."""
+    index = epoch_index(num_instances=num_instances, seed=seed, epoch=epoch, chunk_size=chunk_size)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    index = np.memmap(tmp, dtype=INDEX_DTYPE, mode="w+", shape=(size,))
     try:
-        if chunk_size == 1:
-            for a in range(0, size, WRITE_BLOCK):
-                index[a:a + WRITE_BLOCK] = np.arange(a, min(a + WRITE_BLOCK, size), dtype=INDEX_DTYPE)
-            rng.shuffle(index)  # in place, the same swaps as on OLMo-core's in-memory array
-        else:
-            chunks = np.arange(num_instances // chunk_size, dtype=INDEX_DTYPE)
-            rng.shuffle(chunks)
-            within = np.arange(chunk_size, dtype=INDEX_DTYPE)
-            block = max(1, WRITE_BLOCK // chunk_size)
-            for a in range(0, chunks.size, block):
-                ids = chunks[a:a + block, None] * INDEX_DTYPE.type(chunk_size) + within
-                index[a * chunk_size:(a + ids.shape[0]) * chunk_size] = ids.reshape(-1)
-        index.flush()
-        del index
+        with open(tmp, "wb") as f:
+            index.tofile(f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
