@@ -75,8 +75,9 @@ def small_mix(tmp_path):
 def test_labels_and_paths(small_mix):
     mix, root = small_mix
     files = resolve_mix(mix, str(root))
+    tokenizer_dir = f"{root}/allenai/dolma2-tokenizer"
     assert [(f.label, f.path, f.line_number) for f in files] == [
-        ("a", f"{root}/allenai/dolma2-tokenizer/part-0.npy", 3), ("b", f"{root}/allenai/dolma2-tokenizer/part-1.npy", 4)]
+        ("a", f"{tokenizer_dir}/part-0.npy", 3), ("b", f"{tokenizer_dir}/part-1.npy", 4)]
     it = build_train_iterator(DataConfig(mix=mix, mix_root=str(root), seq_len=8, global_batch=4, token_dtype="uint16"),
                               seq_len=8, global_batch=4, seed=0, shard_index=0, shard_count=1, vocab_size=100)
     assert it.source.labels == ["a", "b"] and it.num_instances == 16

@@ -146,8 +146,9 @@ def test_every_global_batch_equals_olmo_core_s(generated, tmp_path, name, max_ta
           f"{n} global batches compared ({loader.total_batches} in epoch 1), mismatches: {mismatches}")
     assert mismatches == 0, f"{mismatches} of {n} global batches differ from OLMo-core's"
     # The cached indices are OLMo-core's own files, byte for byte, under the same names.
+    oc_file = loader._global_indices_file  # epoch 2's, where the loader is now
     for epoch in (1, 2):
-        want = loader._global_indices_file.with_name(loader._global_indices_file.name.replace("epoch2", f"epoch{epoch}"))
+        want = oc_file.with_name(oc_file.name.replace("epoch2", f"epoch{epoch}"))
         assert (tmp_path / "ours" / want.name).read_bytes() == want.read_bytes()
 
 

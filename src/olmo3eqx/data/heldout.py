@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, parse_named
 from olmo3eqx.data.mixes import resolve_mix
 from olmo3eqx.data.pipeline import heldout_files
-from olmo3eqx.data.source import DataError, TokenSource, expand_paths, open_tokens
+from olmo3eqx.data.source import DataError, TokenSource, check_ids, expand_paths, open_tokens
 
 DEFAULT_SET = "heldout"
 """Name of the held-out set used when eval.heldout names none (data.heldout_paths or the default corpus's)."""
@@ -31,9 +31,9 @@ def _npy_under(directory: str) -> list[str]:
 
 
 def heldout_sets(eval_cfg: EvalConfig, data_cfg: DataConfig) -> dict[str, list[str]]:
-    """Set name -> token files of eval.heldout, in config order. `name=glob` names one set (repeating a name adds files); a bare
-    directory is OLMo's layout: each subdirectory holding .npy files (at any depth, e.g. `c4_en/val/`) is one
-    set named after it, or the directory itself when it holds .npy files directly. No entry: the single set
+    """Set name -> token files of eval.heldout, in config order. `name=glob` names one set (repeating a name adds
+    files); a bare directory is OLMo's layout: each subdirectory holding .npy files (at any depth, e.g. `c4_en/val/`)
+    is one set named after it, or the directory itself when it holds .npy files directly. No entry: the single set
     `heldout` from data.heldout_paths or the default corpus's held-out split, unless eval.heldout_mix names sets."""
     if not eval_cfg.heldout:
         if eval_cfg.heldout_mix:
@@ -103,6 +103,7 @@ class DocumentInstances:
         self.arrays, file_idx, starts, lengths = [], [], [], []
         for path in expand_paths(files, what):
             tokens = open_tokens(path, token_dtype=token_dtype, vocab_size=vocab_size, what=what)
+            check_ids(path, tokens, vocab_size)  # every id: the file is read whole for its EOS positions anyway
             ends = np.flatnonzero(tokens == eos_id) + 1
             doc_starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
             file_idx.append(np.full(ends.size, len(self.arrays), np.int64))

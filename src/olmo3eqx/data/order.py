@@ -132,6 +132,7 @@ def write_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, 
 def cached_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, chunk_size: int) -> np.memmap:
     """The epoch's index memory-mapped from `path`, built first if no process has: the first process to take the
     file lock builds it, the others block on the lock and then find it complete."""
+    expected = index_size(num_instances, chunk_size) * INDEX_DTYPE.itemsize
     if not path.is_file():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,8 +143,7 @@ def cached_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int,
                                       chunk_size=chunk_size)
         except OSError as e:
             raise DataError(f"Cannot write the global order's index {path} ({e.strerror}); make {path.parent} "
-                            f"writable or free space ({index_size(num_instances, chunk_size) * 4:,} bytes).") from None
-    expected = index_size(num_instances, chunk_size) * INDEX_DTYPE.itemsize
+                            f"writable or free {expected:,} bytes there.") from None
     if os.path.getsize(path) != expected:
         raise DataError(f"The global order's index {path} has {os.path.getsize(path):,} bytes, not {expected:,}; "
                         f"it is not this data's index: delete it and it is rebuilt.")
@@ -169,7 +169,7 @@ class OlmoCoreOrder:
         return self.cache_dir / olmo_core_index_name(num_instances=self.num_instances, seed=self.seed, epoch=epoch,
                                                      chunk_size=self.chunk_size)
 
-    def epoch_index(self, epoch: int) -> np.memmap:
+    def mapped_index(self, epoch: int) -> np.memmap:
         """Epoch `epoch`'s (1-based) index, memory-mapped; the epochs next to it stay mapped so reader threads on
         both sides of an epoch boundary never remap."""
         index = self._mapped.get(epoch)
@@ -184,5 +184,5 @@ class OlmoCoreOrder:
 
     def __call__(self, r: int) -> Int64[np.ndarray, " g"]:
         epoch, row = divmod(r, self.batches_per_epoch)
-        index = self.epoch_index(epoch + 1)
+        index = self.mapped_index(epoch + 1)
         return index[row * self.global_batch:(row + 1) * self.global_batch].astype(np.int64)
