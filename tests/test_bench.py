@@ -108,3 +108,17 @@ def test_convert_bench_round_trips_a_toy_checkpoint(monkeypatch, tmp_path, capsy
     for name in ("hf-to-orbax", "orbax-to-hf"):
         assert data["results"][name]["rc"] == 0 and data["results"][name]["peak_rss_bytes"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]
+
+
+def test_order_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_order
+
+    out = tmp_path / "order.json"
+    assert bench_order.main(["--instances", "200000", "--gib", "0.005", "--seconds", "0.2", "--verify",
+                             "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["index"]["identical_to_olmo_core_line"] and results["index"]["index_bytes"] == 4 * 200000
+    assert results["index"]["build"]["peak_rss_bytes"] > 0 and results["index"]["reload_cold"]["seconds"] > 0
+    assert results["loader_ours_instances_per_s"] > 0 and results["loader_olmo-core_instances_per_s"] > 0
+    assert "needed per host by a 7B step on v5p-128" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Global order, exactly-once sharding, resume, epochs, held-out pass and data errors."""
+"""Global order (ours and OLMo-core's), exactly-once sharding, resume, epochs and data errors."""
 
 import json
 import shutil
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from olmo3eqx.config import DataConfig
-from olmo3eqx.data import DataError, build_heldout_iterator, build_train_iterator
-from olmo3eqx.data.pipeline import epoch_permutation, global_order, shard_rows
+from olmo3eqx.data import DataError, build_train_iterator
+from olmo3eqx.data.order import OurOrder, epoch_permutation
+from olmo3eqx.data.pipeline import global_order, shard_rows
 from olmo3eqx.data.source import TokenSource
 
 SEQ = 16
@@ -18,6 +19,7 @@ VOCAB = 1000
 FILE_INSTANCES = (100, 92, 96)  # 288 instances: 3 global batches per epoch
 NUM_INSTANCES = sum(FILE_INSTANCES)
 BATCHES_PER_EPOCH = NUM_INSTANCES // GLOBAL_BATCH
+ORDERS = ["ours", "olmo-core"]
 
 
 def write_tokens(path, tokens, dtype=np.uint16):
@@ -40,9 +42,15 @@ def config(paths, **kw):
     return DataConfig(paths=tuple(paths), token_dtype="uint16", seq_len=SEQ, global_batch=GLOBAL_BATCH, **kw)
 
 
-def train_iters(cfg, shard_count, state=None, seed=0):
+@pytest.fixture
+def index_dir(tmp_path):
+    """Where OLMo-core's order keeps its per-epoch indices (train.py: the run directory), shared by the processes."""
+    return tmp_path / "data_order"
+
+
+def train_iters(cfg, shard_count, state=None, seed=0, index_dir=None):
     return [build_train_iterator(cfg, seq_len=SEQ, global_batch=GLOBAL_BATCH, seed=seed, shard_index=s,
-                                 shard_count=shard_count, vocab_size=VOCAB, state=state)
+                                 shard_count=shard_count, vocab_size=VOCAB, state=state, index_dir=index_dir)
             for s in range(shard_count)]
 
 
@@ -66,11 +74,12 @@ def test_epoch_permutation_is_a_permutation():
     assert not np.array_equal(perm, epoch_permutation(np.arange(1000), num_instances=1000, seed=4, epoch=1))
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("shard_count", [1, 2, 3, 4, 32])
-def test_every_instance_exactly_once_per_epoch(files, shard_count):
-    cfg = config(files)
-    reference = global_rows(train_iters(cfg, 1), BATCHES_PER_EPOCH)
-    iters = train_iters(cfg, shard_count)
+def test_every_instance_exactly_once_per_epoch(files, index_dir, shard_count, order):
+    cfg = config(files, order=order)
+    reference = global_rows(train_iters(cfg, 1, index_dir=index_dir), BATCHES_PER_EPOCH)
+    iters = train_iters(cfg, shard_count, index_dir=index_dir)
     assert iters[0].num_instances == NUM_INSTANCES and iters[0].batches_per_epoch == BATCHES_PER_EPOCH
     batches = [[next(it) for _ in range(BATCHES_PER_EPOCH)] for it in iters]
     for shard in batches:
@@ -98,57 +107,61 @@ def test_double_sharding_is_caught(shard_count):
     same exactly-once check must fail, so the test above would catch it."""
     indices = []
     for s in range(shard_count):
-        rows = shard_rows(global_order(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH),
+        rows = shard_rows(global_order(OurOrder(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH)),
                           shard_index=s, shard_count=shard_count)
         twice = rows[s::shard_count]
         indices += [twice[r] for r in range(BATCHES_PER_EPOCH)]
     with pytest.raises(AssertionError, match="distinct"):
         assert_exactly_once(indices, NUM_INSTANCES)
     # ... while sharding once passes it.
-    once = [shard_rows(global_order(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH), shard_index=s,
+    once = [shard_rows(global_order(OurOrder(NUM_INSTANCES, seed=0, global_batch=GLOBAL_BATCH)), shard_index=s,
                        shard_count=shard_count)[r] for s in range(shard_count) for r in range(BATCHES_PER_EPOCH)]
     assert_exactly_once(once, NUM_INSTANCES)
 
 
-def test_epochs_differ_and_are_each_exactly_once(files):
-    rows = global_rows(train_iters(config(files), 4), 3 * BATCHES_PER_EPOCH)
+@pytest.mark.parametrize("order", ORDERS)
+def test_epochs_differ_and_are_each_exactly_once(files, index_dir, order):
+    rows = global_rows(train_iters(config(files, order=order), 4, index_dir=index_dir), 3 * BATCHES_PER_EPOCH)
     epochs = [np.concatenate(rows[e * BATCHES_PER_EPOCH:(e + 1) * BATCHES_PER_EPOCH]) for e in range(3)]
     for e in epochs:
         assert_exactly_once([e], NUM_INSTANCES)
     assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
 
 
-def test_seed_changes_the_order(files):
-    a = global_rows(train_iters(config(files), 1, seed=0), 1)[0]
-    b = global_rows(train_iters(config(files), 1, seed=1), 1)[0]
+@pytest.mark.parametrize("order", ORDERS)
+def test_seed_changes_the_order(files, index_dir, order):
+    a = global_rows(train_iters(config(files, order=order), 1, seed=0, index_dir=index_dir), 1)[0]
+    b = global_rows(train_iters(config(files, order=order), 1, seed=1, index_dir=index_dir), 1)[0]
     assert not np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("k", [1, BATCHES_PER_EPOCH - 1, BATCHES_PER_EPOCH, BATCHES_PER_EPOCH + 1])
-def test_resume_continues_exactly(files, k):
-    cfg = config(files, num_threads=2, prefetch=4)
-    uninterrupted = global_rows(train_iters(cfg, 2), k + 4)
-    iters = train_iters(cfg, 2)
+def test_resume_continues_exactly(files, index_dir, k, order):
+    cfg = config(files, num_threads=2, prefetch=4, order=order)
+    uninterrupted = global_rows(train_iters(cfg, 2, index_dir=index_dir), k + 4)
+    iters = train_iters(cfg, 2, index_dir=index_dir)
     global_rows(iters, k)
     states = [json.loads(json.dumps(it.get_state())) for it in iters]
     assert states[0] == states[1]  # the state is global: every process holds the same one
     assert states[0]["batches_consumed"] == k and states[0]["epoch"] == k // BATCHES_PER_EPOCH
     assert states[0]["tokens_consumed"] == k * GLOBAL_BATCH * SEQ
-    resumed = train_iters(cfg, 2, state=states[0])
+    resumed = train_iters(cfg, 2, state=states[0], index_dir=index_dir)
     for expected, got in zip(uninterrupted[k:], global_rows(resumed, 4)):
         assert np.array_equal(expected, got)
     assert resumed[0].batches_consumed == k + 4
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("old, new", [(2, 3), (4, 1), (1, 32)])
-def test_resume_with_another_shard_count(files, old, new):
+def test_resume_with_another_shard_count(files, index_dir, old, new, order):
     """Elastic resume: the new processes' slices concatenate to the uninterrupted global rows."""
-    cfg = config(files)
+    cfg = config(files, order=order)
     k = BATCHES_PER_EPOCH + 1
-    uninterrupted = global_rows(train_iters(cfg, 1), k + 3)
-    iters = train_iters(cfg, old)
+    uninterrupted = global_rows(train_iters(cfg, 1, index_dir=index_dir), k + 3)
+    iters = train_iters(cfg, old, index_dir=index_dir)
     global_rows(iters, k)
-    resumed = train_iters(cfg, new, state=iters[0].get_state())
+    resumed = train_iters(cfg, new, state=iters[0].get_state(), index_dir=index_dir)
     for expected, got in zip(uninterrupted[k:], global_rows(resumed, 3)):
         assert np.array_equal(expected, got)
 
@@ -171,21 +184,20 @@ def test_ngram_filter_masks_and_counts(tmp_path):
         assert np.array_equal(np.sort(index), np.arange(8))  # rejected instances keep their place
 
 
-def test_heldout_pass(files):
-    cfg = DataConfig(paths=(files[0],), heldout_paths=tuple(files), token_dtype="uint16")
-    for shard_count in (1, 4):
-        for _ in range(2):  # each call is a fresh pass
-            iters = [build_heldout_iterator(cfg, seq_len=SEQ, batch_size=40, shard_index=s,
-                                            shard_count=shard_count, vocab_size=VOCAB)
-                     for s in range(shard_count)]
-            assert len(iters[0]) == -(-NUM_INSTANCES // 40)
-            rows = [list(it) for it in iters]
-            assert len({len(r) for r in rows}) == 1
-            index = np.concatenate([np.concatenate([r[b]["index"] for r in rows]) for b in range(len(rows[0]))])
-            mask = np.concatenate([np.concatenate([r[b]["mask"] for r in rows]) for b in range(len(rows[0]))])
-            assert all(b["tokens"].shape == (40 // shard_count, SEQ) for r in rows for b in r)
-            assert np.array_equal(index[:NUM_INSTANCES], np.arange(NUM_INSTANCES))  # file order
-            assert np.all(index[NUM_INSTANCES:] == -1) and np.array_equal(mask, (index >= 0).astype(np.float32))
+def test_heldout_instances_in_file_order_padded_with_minus_one(files):
+    """What a held-out pass reads (evaluator.ShardedScorer.heldout_loss: ids 0..n-1 in file order, the last batch
+    padded with -1): packed instances are the files' consecutive instances, a -1 row is all weight 0."""
+    from olmo3eqx.data.heldout import heldout_instances
+
+    packed = heldout_instances(files, mode="packed", seq_len=SEQ, token_dtype="uint16", vocab_size=VOCAB, eos_id=0,
+                               pad_id=1, what="eval.heldout")
+    assert packed.num_instances == NUM_INSTANCES
+    flat = np.concatenate([np.fromfile(f, np.uint16)[: n * SEQ] for f, n in zip(files, FILE_INSTANCES)])
+    ids = np.arange(0, NUM_INSTANCES + 40, dtype=np.int64)
+    tokens, weights = packed.read(np.where(ids < NUM_INSTANCES, ids, -1))
+    assert np.array_equal(tokens[:NUM_INSTANCES].ravel(), flat)
+    assert np.all(weights[:NUM_INSTANCES, :-1] == 1) and np.all(weights[:, -1] == 0)
+    assert np.all(weights[NUM_INSTANCES:] == 0)
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -250,8 +262,9 @@ def test_empty_files(tmp_path, files):
         build(config([short]))
 
 
-def test_fingerprint_mismatch(tmp_path, files):
-    it = build(config(files))
+@pytest.mark.parametrize("order", ORDERS)
+def test_fingerprint_mismatch(tmp_path, files, index_dir, order):
+    it = build(config(files, order=order), index_dir=index_dir)
     next(it)
     state = it.get_state()
     # The same names with one file grown, in a new place (rewriting a memory-mapped file in place is a crash).
@@ -261,22 +274,31 @@ def test_fingerprint_mismatch(tmp_path, files):
     with open(grown[2], "ab") as f:
         f.write(np.zeros(SEQ, np.uint16).tobytes())
     with pytest.raises(DataError, match="differ from the ones the checkpoint was trained on"):
-        build(config(grown), state=state)
+        build(config(grown, order=order), state=state, index_dir=index_dir)
     with pytest.warns(UserWarning, match="differ"):
-        it = build(config(grown, allow_fingerprint_mismatch=True), state=state)
+        it = build(config(grown, allow_fingerprint_mismatch=True, order=order), state=state, index_dir=index_dir)
     assert it.batches_consumed == 1
     moved = tmp_path / "moved"
     moved.mkdir()
-    assert build(config([shutil.copy(f, moved) for f in files]), state=state).batches_consumed == 1  # same data
+    same = config([shutil.copy(f, moved) for f in files], order=order)
+    assert build(same, state=state, index_dir=index_dir).batches_consumed == 1  # same data
 
 
-def test_state_of_another_run(files):
+def test_state_of_another_run(files, index_dir):
     it = build(config(files))
     state = it.get_state()
     with pytest.raises(DataError, match="seq_len=16 but this run has seq_len=8"):
         build(config(files), seq_len=8, state=state)
     with pytest.raises(DataError, match="global_batch=96 but this run has global_batch=48"):
         build(config(files), global_batch=48, state=state)
+    with pytest.raises(DataError, match="order=ours but this run has order=olmo-core"):
+        build(config(files, order="olmo-core"), state=state, index_dir=index_dir)
+    with pytest.raises(DataError, match="max_target_seq_len=None but this run has max_target_seq_len=32"):
+        build(config(files, max_target_seq_len=2 * SEQ), state=state)
+    with pytest.raises(DataError, match="seed=0 but this run has seed=5"):
+        build(config(files), seed=5, state=state)
+    del state["order"], state["max_target_seq_len"]  # a state written before these fields: our order, no target
+    assert build(config(files), state=state).batches_consumed == 0
 
 
 def test_dtype_from_prepare_metadata(tmp_path):

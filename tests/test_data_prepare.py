@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import olmo3eqx.data.prepare as prep
-from olmo3eqx.config import DataConfig
-from olmo3eqx.data import BYTE_EOS, BYTE_VOCAB, DataError, build_heldout_iterator, build_train_iterator, resolve_paths
+from olmo3eqx.config import DataConfig, EvalConfig
+from olmo3eqx.data import BYTE_EOS, BYTE_PAD, BYTE_VOCAB, DataError, build_train_iterator, heldout_files, training_files
+from olmo3eqx.data.heldout import open_heldout
 
 
 @pytest.fixture
@@ -180,17 +181,18 @@ def test_default_corpus(tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
     with ThreadPoolExecutor(2) as pool:  # two first runs at once: one wins, both get the complete corpus
         assert len(set(pool.map(default_corpus, [cfg.cache_dir] * 2))) == 1
-    train, heldout = resolve_paths(cfg)
-    assert train and heldout and set(train).isdisjoint(heldout)
+    (train, labels), heldout = training_files(cfg), heldout_files(cfg)
+    assert train and heldout and set(train).isdisjoint(heldout) and labels is None
     (corpus_dir,) = (tmp_path / "cache").iterdir()
     assert corpus_dir.name.startswith("stdlib-py3.")
     meta = json.loads((corpus_dir / "metadata.json").read_text())
     train_docs, heldout_docs = meta["splits"]["train"]["documents"], meta["splits"]["heldout"]["documents"]
     assert train_docs > 100 and 0.01 < heldout_docs / (train_docs + heldout_docs) < 0.1
-    assert resolve_paths(cfg) == (train, heldout)  # prepared once, then found
+    assert training_files(cfg)[0] == train and heldout_files(cfg) == heldout  # prepared once, then found
     tokens = np.memmap(train[0], np.uint16, mode="r")
     assert tokens.max() == BYTE_EOS and bytes(tokens[:200].astype(np.uint8)).isascii()
     it = build_train_iterator(cfg, seq_len=128, global_batch=8, seed=0, shard_index=0, shard_count=1,
                               vocab_size=BYTE_VOCAB)
     assert next(it)["tokens"].shape == (8, 128)
-    assert len(build_heldout_iterator(cfg, seq_len=128, batch_size=8, shard_index=0, shard_count=1)) > 10
+    sets = open_heldout(EvalConfig(), cfg, seq_len=128, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD)
+    assert list(sets) == ["heldout"] and sets["heldout"].num_instances > 10 * 8

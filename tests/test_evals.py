@@ -82,7 +82,7 @@ def hand_heldout(ref, files: list[Path], mode: str, eos: int) -> float:
         else:
             cuts = [i + 1 for i, t in enumerate(toks) if t == eos]
             docs = [toks[a:b] for a, b in zip([0] + cuts, cuts)]
-            instances = [d[i:i + SEQ] for d in docs for i in range(0, len(d), SEQ)]
+            instances = [d[:SEQ] for d in docs]  # OLMo-core's padded layout: a document's first SEQ tokens
         for inst in instances:
             if len(inst) < 2:
                 continue

@@ -172,7 +172,22 @@ class DataConfig:
     """Token files in OLMo's format and how they become global batches."""
 
     paths: tuple[str, ...] = ()
-    """Training token files (.npy memmaps) or globs; empty means the embedded default corpus."""
+    """Training token files (.npy memmaps) or globs; empty (and no mix) means the embedded default corpus."""
+    mix: str | None = None
+    """Train on an OLMo-core data mix instead of paths: a mix shipped with olmo3eqx (OLMo-mix-0625-official,
+    OLMo-midtraining-mix-0625-100B) or a mix file of label,path lines; its files are read under mix_root, numbered
+    in mix order as OLMo-core numbers them (README "AI2's data mixes")."""
+    mix_root: str | None = None
+    """Directory holding the mixes' files (a local copy or mounted bucket of https://olmo-data.org)."""
+    order: Literal["ours", "olmo-core"] = "ours"
+    """Global order: ours (a keyed permutation per epoch, nothing precomputed) or olmo-core (OLMo-core's
+    NumpyFSLDataLoader order for the same instances and seed, bit for bit; each epoch's index cached in the run
+    directory)."""
+    seed: int | None = None
+    """Seed of the data order, separate from run.seed as in OLMo-core (stage 1: 34521); None means run.seed."""
+    max_target_seq_len: int | None = None
+    """OLMo-core's max_target_sequence_length, a multiple of seq_len: each file's tail beyond a multiple of it is
+    dropped and OLMo-core's order shuffles chunks of max_target_seq_len // seq_len instances."""
     heldout_paths: tuple[str, ...] = ()
     """Held-out token files or globs; empty with empty `paths` means the default corpus's held-out split."""
     seq_len: int = 8192
@@ -198,6 +213,14 @@ class DataConfig:
         check_signs(self, "data", positive=("seq_len", "global_batch"), non_negative=("num_threads", "prefetch"))
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ConfigError(f"data.vocab_size must be positive, got {self.vocab_size}.")
+        if self.mix and self.paths:
+            raise ConfigError("data.mix and data.paths both name training data; set one of them.")
+        if self.seed is not None and self.seed < 0:
+            raise ConfigError(f"data.seed must be non-negative, got {self.seed}.")
+        mt = self.max_target_seq_len
+        if mt is not None and (mt < self.seq_len or mt % self.seq_len):
+            raise ConfigError(f"data.max_target_seq_len {mt} must be a multiple of data.seq_len {self.seq_len} "
+                              f"(OLMo-core's rule); set it to k * {self.seq_len} or leave it unset.")
 
 
 @dataclass(frozen=True)
@@ -301,9 +324,14 @@ class EvalConfig:
     """Named held-out sets: 'name=glob' (e.g. c4_en=data/heldout/c4_en/*.npy; a repeated name adds files) or a
     directory in OLMo's layout, one set per subdirectory (v3_small/c4_en/val/*.npy -> c4_en). Empty: the single
     set 'heldout' from data.heldout_paths or the default corpus's held-out split."""
+    heldout_mix: str | None = None
+    """Held-out sets from an OLMo-core mix under data.mix_root, one set per label (v3-small-ppl-validation gives
+    eval/c4_en-validation/loss, ...), in OLMo-core's padded layout (document) whatever heldout_instances says; added
+    before the sets of `heldout`."""
     heldout_instances: Literal["packed", "document"] = "packed"
-    """packed: seq_len consecutive tokens, documents running together (as in training); document: OLMo's padded
-    layout for its perplexity sets, each document its own instance (split every seq_len tokens, padding unscored)."""
+    """packed: seq_len consecutive tokens, documents running together (as in training); document: OLMo-core's
+    padded layout for its perplexity sets (NumpyPaddedFSLDataset), each document its own instance, its first
+    seq_len tokens, padding unscored."""
     tasks: tuple[str, ...] = ()
     """Multiple-choice task files (JSONL of context, continuations, gold, id; see olmo3eqx.tasks), as 'path'
     (named after the file) or 'name=path'. Empty: no tasks in the loop."""
@@ -364,7 +392,7 @@ class RunConfig:
     dir: str = "runs"
     """Parent of run directories."""
     seed: int = 0
-    """Seeds the initialisation and the data order."""
+    """Seeds the initialisation (and the data order when data.seed is unset)."""
 
 
 @dataclass(frozen=True)
@@ -396,6 +424,11 @@ class TrainConfig:
     def token_vocab_size(self) -> int:
         """Token ids of the data must be below this: data.vocab_size, else model.vocab_size."""
         return self.data.vocab_size or self.model.vocab_size
+
+    @property
+    def data_seed(self) -> int:
+        """Seed of the data order: data.seed, else run.seed."""
+        return self.data.seed if self.data.seed is not None else self.run.seed
 
     @property
     def run_dir(self) -> Path:

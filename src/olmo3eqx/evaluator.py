@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, ModelConfig
-from olmo3eqx.data.heldout import heldout_instances, heldout_sets
+from olmo3eqx.data.heldout import open_heldout
 from olmo3eqx.loss import loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
 from olmo3eqx.sharding import batch_sharding, data_parallel_size
@@ -119,11 +119,8 @@ def build_evaluator(eval_cfg: EvalConfig, data_cfg: DataConfig, model_cfg: Model
     """(evaluate(model) -> metrics, names of the held-out sets in config order) for a run's config;
     `with_heldout=False` evaluates the tasks only. Sets and task files are opened and checked here."""
     vocab = data_cfg.vocab_size or model_cfg.vocab_size
-    named = heldout_sets(eval_cfg, data_cfg) if with_heldout else {}
-    sets = {name: heldout_instances(files, mode=eval_cfg.heldout_instances, seq_len=seq_len,
-                                    token_dtype=data_cfg.token_dtype, vocab_size=vocab, eos_id=model_cfg.eos_token_id,
-                                    pad_id=model_cfg.pad_token_id, what=f"eval.heldout ({name})")
-            for name, files in named.items()}
+    sets = open_heldout(eval_cfg, data_cfg, seq_len=seq_len, vocab_size=vocab, eos_id=model_cfg.eos_token_id,
+                        pad_id=model_cfg.pad_token_id) if with_heldout else {}
     tasks = []
     if eval_cfg.tasks:
         tokenizer = Tokenizer.load(eval_cfg.tokenizer)

@@ -37,6 +37,8 @@ Entry flags (before the others):
   --max-restarts N        with --until-done: give up after N relaunches (default 20)
 """
 SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1}
+DATA_ORDER_DIR = "data_order"
+"""Under the run directory: data.order olmo-core's per-epoch global indices, built once, shared by the processes."""
 
 
 def parse_args(argv: list[str] | None = None):
@@ -306,9 +308,9 @@ def train_data(cfg: TrainConfig, start: int, data_state: dict | None):
     from olmo3eqx.data import DataError, build_train_iterator
 
     data = build_train_iterator(
-        cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.run.seed,
+        cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.data_seed,
         shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=cfg.token_vocab_size,
-        state=data_state)
+        state=data_state, index_dir=cfg.run_dir / DATA_ORDER_DIR)
     if data.batches_consumed != start:
         raise DataError(f"The data state of checkpoint {start} has consumed {data.batches_consumed} batches instead "
                         f"of {start}; the checkpoint is inconsistent.")

@@ -1,5 +1,6 @@
-"""Token data: prepare (text -> token files), source (files -> instances), pipeline (grain -> batches), heldout
-(named held-out sets and their instances).
+"""Token data: prepare (text -> token files), mixes (AI2's label,path mixes -> files), source (files -> instances),
+order (global batch -> instance ids: ours or OLMo-core's), pipeline (grain -> batches), heldout (named held-out sets
+and their instances).
 
 Exports resolve lazily so `python -m olmo3eqx.data.prepare` (and its worker processes) skip grain and JAX.
 """
@@ -17,11 +18,11 @@ _EXPORTS = {
     "BYTE_PAD": "olmo3eqx.data.prepare",
     "BYTE_VOCAB": "olmo3eqx.data.prepare",
     "default_corpus": "olmo3eqx.data.corpus",
-    "resolve_paths": "olmo3eqx.data.pipeline",
+    "resolve_mix": "olmo3eqx.data.mixes",
+    "training_files": "olmo3eqx.data.pipeline",
+    "heldout_files": "olmo3eqx.data.pipeline",
     "build_train_iterator": "olmo3eqx.data.pipeline",
-    "build_heldout_iterator": "olmo3eqx.data.pipeline",
     "TrainIterator": "olmo3eqx.data.pipeline",
-    "HeldoutIterator": "olmo3eqx.data.pipeline",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,94 +1,34 @@
-"""Global batches on grain: one permutation per epoch, one contiguous row per step, sharded exactly once.
+"""Global batches on grain: a global order (data/order.py), one row per step, sharded exactly once.
 
-Row r of the global order (epoch e = r // batches_per_epoch, row i = r % batches_per_epoch) holds the
-instances perm_e[i*global_batch : (i+1)*global_batch]; instances left over at the end of an epoch's
-permutation are dropped. perm_e depends on (seed, e, number of instances) only, never on the number of
-processes. Process s of n takes the contiguous slice [s*g/n, (s+1)*g/n) of every row (`shard_rows`); nothing
-else shards. The iterator's position is the number of global rows consumed, so a restored state yields the
-same global rows whatever the process count, thread count or prefetch depth.
+Row r of the global order holds the instance ids of global batch r (ours or OLMo-core's order, epoch after epoch).
+Process s of n takes the contiguous slice [s*g/n, (s+1)*g/n) of every row (`shard_rows`); nothing else shards. The
+iterator's position is the number of global rows consumed, so a restored state yields the same global rows
+whatever the process count, thread count or prefetch depth.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 
 import grain
 import numpy as np
-from jaxtyping import Int, Int64
+from jaxtyping import Int64
 
 from olmo3eqx.config import DataConfig
 from olmo3eqx.data.corpus import default_corpus
 from olmo3eqx.data.filters import repeated_ngram_mask
+from olmo3eqx.data.mixes import resolve_mix
+from olmo3eqx.data.order import OlmoCoreOrder, OurOrder
 from olmo3eqx.data.source import DataError, TokenSource, expand_paths
 
 STATE_VERSION = 1
-FEISTEL_ROUNDS = 6
-"""Rounds of the keyed Feistel network behind each epoch's permutation."""
 
 
-# --- order -----------------------------------------------------------------------------------------
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (uint64 arithmetic wraps)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def epoch_permutation(positions: Int[np.ndarray, " k"], *, num_instances: int, seed: int,
-                      epoch: int) -> Int64[np.ndarray, " k"]:
-    """perm_e[positions]: a pseudo-random permutation of range(num_instances) keyed by (seed, epoch).
-
-    A Feistel network is a bijection on [0, 2**k) for any round function (here unbalanced, the halves
-    swapping sizes each round, so 2**k < 2 * num_instances); walking the cycle until the value falls below
-    num_instances (< 2 steps on average) restricts it to a bijection on [0, num_instances). Each entry is
-    computed on its own, so no O(num_instances) array is built (700M instances for 7B).
-    """
-    if seed < 0 or epoch < 0:
-        raise DataError(f"seed and epoch must be non-negative, got seed={seed}, epoch={epoch}.")
-    bits = max(2, (num_instances - 1).bit_length())
-    keys = np.random.SeedSequence([seed, epoch]).generate_state(FEISTEL_ROUNDS, np.uint64)
-
-    def encrypt(x):
-        left_bits, right_bits = bits // 2, bits - bits // 2
-        for key in keys:
-            left, right = x >> np.uint64(right_bits), x & np.uint64((1 << right_bits) - 1)
-            left ^= _mix64(right ^ key) & np.uint64((1 << left_bits) - 1)
-            x = (right << np.uint64(left_bits)) | left
-            left_bits, right_bits = right_bits, left_bits
-        return x
-
-    x = encrypt(positions.astype(np.uint64))
-    outside = x >= num_instances
-    while outside.any():
-        x[outside] = encrypt(x[outside])
-        outside = x >= num_instances
-    return x.astype(np.int64)
-
-
-class GlobalRow:
-    """Global batch r -> the instance ids of row r % batches_per_epoch of epoch r // batches_per_epoch."""
-
-    def __init__(self, num_instances: int, *, seed: int, global_batch: int):
-        self.num_instances, self.seed, self.global_batch = num_instances, seed, global_batch
-        self.batches_per_epoch = num_instances // global_batch
-
-    def __call__(self, r: int) -> Int64[np.ndarray, " g"]:
-        epoch, row = divmod(r, self.batches_per_epoch)
-        positions = np.arange(row * self.global_batch, (row + 1) * self.global_batch, dtype=np.int64)
-        return epoch_permutation(positions, num_instances=self.num_instances, seed=self.seed, epoch=epoch)
-
-
-def global_order(num_instances: int, *, seed: int, global_batch: int) -> grain.MapDataset:
-    """The endless sequence of global rows (element r: int64 [global_batch] instance ids), epoch after epoch."""
-    if global_batch <= 0:
-        raise DataError(f"global_batch must be positive, got {global_batch}.")
-    if num_instances < global_batch:
-        raise DataError(f"The data holds {num_instances} instances, fewer than one global batch of {global_batch}; "
-                        f"add data or lower data.global_batch or data.seq_len.")
-    return grain.MapDataset.range(sys.maxsize).map(GlobalRow(num_instances, seed=seed, global_batch=global_batch))
+def global_order(order) -> grain.MapDataset:
+    """The endless sequence of global rows (element r: int64 [global_batch] instance ids of `order(r)`)."""
+    return grain.MapDataset.range(sys.maxsize).map(order)
 
 
 class ShardSlice:
@@ -114,49 +54,63 @@ def shard_rows(rows: grain.MapDataset, *, shard_index: int, shard_count: int) ->
 
 
 class ReadBatch:
-    """Instance ids (-1: padding) -> {"tokens", "index", "mask"}; mask is 0 for padding and filtered instances."""
+    """Instance ids -> {"tokens", "index", "mask"}; mask is 0 for instances the n-gram filter rejects."""
 
     def __init__(self, source: TokenSource, ngram_filter: bool):
         self.source, self.ngram_filter = source, ngram_filter
 
     def __call__(self, ids: Int64[np.ndarray, " b"]) -> dict[str, np.ndarray]:
-        valid = ids >= 0
-        tokens = np.zeros((ids.size, self.source.seq_len), np.int32)
-        tokens[valid] = self.source.read(ids[valid])
-        mask = valid.copy()
-        if self.ngram_filter:
-            mask &= ~repeated_ngram_mask(tokens)
+        tokens = self.source.read(ids)
+        mask = ~repeated_ngram_mask(tokens) if self.ngram_filter else np.ones(ids.size, bool)
         return {"tokens": tokens, "index": ids.astype(np.int64), "mask": mask.astype(np.float32)}
 
 
-def _read_options(data_cfg: DataConfig) -> grain.ReadOptions:
-    return grain.ReadOptions(num_threads=data_cfg.num_threads, prefetch_buffer_size=data_cfg.prefetch)
+# --- files -----------------------------------------------------------------------------------------
 
 
-# --- paths -----------------------------------------------------------------------------------------
-
-
-def resolve_paths(data_cfg: DataConfig) -> tuple[list[str], list[str]]:
-    """(train files, held-out files): globs and directories expanded in config order; empty `paths` means the
-    embedded default corpus (prepared on first use into data.cache_dir)."""
-    heldout = expand_paths(data_cfg.heldout_paths, "data.heldout_paths")
+def training_files(data_cfg: DataConfig) -> tuple[list[str], list[str] | None]:
+    """(training token files in instance order, their labels or None): data.mix's files under data.mix_root, else
+    data.paths expanded in config order, else the embedded default corpus (prepared on first use)."""
+    if data_cfg.mix:
+        files = resolve_mix(data_cfg.mix, data_cfg.mix_root)
+        return [f.path for f in files], [f.label for f in files]
     if data_cfg.paths:
-        return expand_paths(data_cfg.paths, "data.paths"), heldout
-    corpus = default_corpus(data_cfg.cache_dir)
-    train = sorted(str(p) for p in corpus.glob("train_*.npy"))
-    return train, heldout or sorted(str(p) for p in corpus.glob("heldout_*.npy"))
+        return expand_paths(data_cfg.paths, "data.paths"), None
+    return sorted(str(p) for p in default_corpus(data_cfg.cache_dir).glob("train_*.npy")), None
 
 
-def _vocab_size(data_cfg: DataConfig, vocab_size: int | None) -> int | None:
-    return vocab_size if vocab_size is not None else data_cfg.vocab_size
+def heldout_files(data_cfg: DataConfig) -> list[str]:
+    """data.heldout_paths expanded; without them the default corpus's held-out split when it is the training data."""
+    if data_cfg.heldout_paths:
+        return expand_paths(data_cfg.heldout_paths, "data.heldout_paths")
+    if data_cfg.paths or data_cfg.mix:
+        return []
+    return sorted(str(p) for p in default_corpus(data_cfg.cache_dir).glob("heldout_*.npy"))
 
 
-def _check_split(global_batch: int, shard_index: int, shard_count: int, what: str) -> None:
+def _check_split(global_batch: int, shard_index: int, shard_count: int) -> None:
     if shard_count <= 0 or not 0 <= shard_index < shard_count:
         raise DataError(f"shard_index must lie in [0, shard_count), got {shard_index} of {shard_count}.")
     if global_batch <= 0 or global_batch % shard_count:
-        raise DataError(f"{what} {global_batch} is not divisible by the {shard_count} data shards (processes); "
-                        f"choose a {what} that is a multiple of {shard_count}.")
+        raise DataError(f"global_batch {global_batch} is not divisible by the {shard_count} data shards (processes); "
+                        f"choose a global_batch that is a multiple of {shard_count}.")
+
+
+def build_order(data_cfg: DataConfig, num_instances: int, *, seq_len: int, global_batch: int, seed: int,
+                index_dir: str | Path | None):
+    """data.order's global order over `num_instances` instances."""
+    if global_batch <= 0:
+        raise DataError(f"global_batch must be positive, got {global_batch}.")
+    if num_instances < global_batch:
+        raise DataError(f"The data holds {num_instances} instances, fewer than one global batch of {global_batch}; "
+                        f"add data or lower data.global_batch or data.seq_len.")
+    if data_cfg.order == "ours":
+        return OurOrder(num_instances, seed=seed, global_batch=global_batch)
+    if index_dir is None:
+        raise DataError("data.order olmo-core keeps each epoch's index on disk; give the iterator a directory for "
+                        "it (train.py uses the run directory).")
+    return OlmoCoreOrder(num_instances, seed=seed, global_batch=global_batch, cache_dir=Path(index_dir),
+                         chunk_size=(data_cfg.max_target_seq_len or seq_len) // seq_len)
 
 
 # --- train -----------------------------------------------------------------------------------------
@@ -165,21 +119,23 @@ def _check_split(global_batch: int, shard_index: int, shard_count: int, what: st
 class TrainIterator:
     """Endless iterator over this process's part of the global batches; `get_state()` restores it exactly."""
 
-    def __init__(self, source: TokenSource, *, data_cfg: DataConfig, global_batch: int, seed: int,
-                 shard_index: int, shard_count: int, batches_consumed: int = 0):
-        self.source = source
+    def __init__(self, source: TokenSource, order, *, data_cfg: DataConfig, shard_index: int, shard_count: int,
+                 batches_consumed: int = 0):
+        self.source, self.order = source, order
+        self.order_name, self.max_target_seq_len = data_cfg.order, data_cfg.max_target_seq_len
         self.seq_len = source.seq_len
-        self.global_batch, self.seed = global_batch, seed
+        self.global_batch, self.seed = order.global_batch, order.seed
         self.shard_index, self.shard_count = shard_index, shard_count
         self.num_instances = source.num_instances
-        self.batches_per_epoch = source.num_instances // global_batch
+        self.batches_per_epoch = order.batches_per_epoch
         self.batches_consumed = batches_consumed
         self.masked_instances = 0
         """Instances this iterator has yielded with mask 0 (n-gram filter), since it was built."""
-        rows = global_order(source.num_instances, seed=seed, global_batch=global_batch)
-        rows = shard_rows(rows, shard_index=shard_index, shard_count=shard_count)
+        order(batches_consumed)  # OLMo-core's order builds or maps this epoch's index now, before step 1
+        rows = shard_rows(global_order(order), shard_index=shard_index, shard_count=shard_count)
         batches = rows[batches_consumed:].map(ReadBatch(source, data_cfg.ngram_filter))
-        self._it = iter(batches.to_iter_dataset(_read_options(data_cfg)))
+        options = grain.ReadOptions(num_threads=data_cfg.num_threads, prefetch_buffer_size=data_cfg.prefetch)
+        self._it = iter(batches.to_iter_dataset(options))
 
     def __iter__(self) -> TrainIterator:
         return self
@@ -193,14 +149,17 @@ class TrainIterator:
 
     @property
     def epoch(self) -> int:
+        """Epochs completed (0-based; OLMo-core's order calls the current one epoch + 1)."""
         return self.batches_consumed // self.batches_per_epoch
 
     def get_state(self) -> dict:
         """Small JSON-serialisable position: the next batch is global batch `batches_consumed`."""
         return {
             "version": STATE_VERSION,
+            "order": self.order_name,
             "seed": self.seed,
             "seq_len": self.seq_len,
+            "max_target_seq_len": self.max_target_seq_len,
             "global_batch": self.global_batch,
             "batches_consumed": self.batches_consumed,
             "tokens_consumed": self.batches_consumed * self.global_batch * self.seq_len,
@@ -211,15 +170,20 @@ class TrainIterator:
         }
 
 
-def _check_state(state: dict, it_args: dict, fingerprint: list[list], allow_mismatch: bool) -> int:
+STATE_DEFAULTS = {"order": "ours", "max_target_seq_len": None}
+"""What a state written before these fields existed meant."""
+
+
+def _check_state(state: dict, run: dict, fingerprint: list[list], allow_mismatch: bool) -> int:
     """Validate a saved state against this run; returns batches consumed."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise DataError(f"Data-iterator state has version {state.get('version') if isinstance(state, dict) else None}, "
                         f"expected {STATE_VERSION}; it was written by an incompatible olmo3eqx.")
-    for name in ("seq_len", "global_batch", "seed"):
-        if state[name] != it_args[name]:
-            raise DataError(f"The checkpoint's data state has {name}={state[name]} but this run has "
-                            f"{name}={it_args[name]}; resume with the checkpoint's {name}.")
+    for name, value in run.items():
+        saved = state.get(name, STATE_DEFAULTS.get(name))
+        if saved != value:
+            raise DataError(f"The checkpoint's data state has {name}={saved} but this run has {name}={value}; "
+                            f"resume with the checkpoint's {name}.")
     saved = [list(f) for f in state["fingerprint"]]
     if saved != fingerprint:
         diff = next((f"{a} != {b}" for a, b in zip(saved, fingerprint) if a != b),
@@ -233,71 +197,26 @@ def _check_state(state: dict, it_args: dict, fingerprint: list[list], allow_mism
 
 
 def build_train_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: int, seed: int, shard_index: int,
-                         shard_count: int, vocab_size: int | None = None,
-                         state: dict | None = None) -> TrainIterator:
-    """This process's iterator over global training batches (resumed from `state` if given).
+                         shard_count: int, vocab_size: int | None = None, state: dict | None = None,
+                         index_dir: str | Path | None = None) -> TrainIterator:
+    """This process's iterator over global training batches in data.order (resumed from `state` if given);
+    `index_dir` holds OLMo-core's order's per-epoch indices (train.py: the run directory's data_order/).
 
     Batches are {"tokens": int32 [global_batch // shard_count, seq_len], "index": int64 global instance ids,
     "mask": float32 (0 for instances the n-gram filter rejects)}.
     """
-    _check_split(global_batch, shard_index, shard_count, "global_batch")
-    train, _ = resolve_paths(data_cfg)
-    source = TokenSource(train, seq_len=seq_len, token_dtype=data_cfg.token_dtype,
-                         vocab_size=_vocab_size(data_cfg, vocab_size))
+    _check_split(global_batch, shard_index, shard_count)
+    files, labels = training_files(data_cfg)
+    source = TokenSource(files, seq_len=seq_len, token_dtype=data_cfg.token_dtype,
+                         vocab_size=vocab_size if vocab_size is not None else data_cfg.vocab_size,
+                         max_target_seq_len=data_cfg.max_target_seq_len, labels=labels,
+                         what="data.mix" if data_cfg.mix else "data.paths")
     consumed = 0
     if state is not None:
-        consumed = _check_state(state, {"seq_len": seq_len, "global_batch": global_batch, "seed": seed},
-                                source.fingerprint, data_cfg.allow_fingerprint_mismatch)
-    return TrainIterator(source, data_cfg=data_cfg, global_batch=global_batch, seed=seed, shard_index=shard_index,
-                         shard_count=shard_count, batches_consumed=consumed)
-
-
-# --- held-out --------------------------------------------------------------------------------------
-
-
-class HeldoutRow:
-    """Row r of the held-out pass: instances [r*b, (r+1)*b) in file order, -1 past the end."""
-
-    def __init__(self, num_instances: int, batch_size: int):
-        self.num_instances, self.batch_size = num_instances, batch_size
-
-    def __call__(self, r: int) -> Int64[np.ndarray, " g"]:
-        ids = np.arange(r * self.batch_size, (r + 1) * self.batch_size, dtype=np.int64)
-        return np.where(ids < self.num_instances, ids, -1)
-
-
-class HeldoutIterator:
-    """One deterministic pass over every held-out instance; every process gets the same number of batches."""
-
-    def __init__(self, source: TokenSource, *, data_cfg: DataConfig, batch_size: int, shard_index: int,
-                 shard_count: int):
-        self.num_instances = source.num_instances
-        self.num_batches = -(-source.num_instances // batch_size)
-        rows = grain.MapDataset.range(self.num_batches).map(HeldoutRow(source.num_instances, batch_size))
-        rows = shard_rows(rows, shard_index=shard_index, shard_count=shard_count)
-        batches = rows.map(ReadBatch(source, data_cfg.ngram_filter))
-        self._it = iter(batches.to_iter_dataset(_read_options(data_cfg)))
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> HeldoutIterator:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._it)
-
-
-def build_heldout_iterator(data_cfg: DataConfig, *, seq_len: int, batch_size: int, shard_index: int,
-                           shard_count: int, vocab_size: int | None = None) -> HeldoutIterator:
-    """A fresh finite pass over the held-out instances in file order; `batch_size` is global (all processes),
-    and the last batch is padded with index -1 and mask 0 so every batch has the same shape."""
-    _check_split(batch_size, shard_index, shard_count, "held-out batch_size")
-    _, heldout = resolve_paths(data_cfg)
-    if not heldout:
-        raise DataError("No held-out token files; set data.heldout_paths (or leave data.paths empty to use the "
-                        "default corpus's held-out split).")
-    source = TokenSource(heldout, seq_len=seq_len, token_dtype=data_cfg.token_dtype,
-                         vocab_size=_vocab_size(data_cfg, vocab_size), what="data.heldout_paths")
-    return HeldoutIterator(source, data_cfg=data_cfg, batch_size=batch_size, shard_index=shard_index,
-                           shard_count=shard_count)
+        run = {"order": data_cfg.order, "seq_len": seq_len, "max_target_seq_len": data_cfg.max_target_seq_len,
+               "global_batch": global_batch, "seed": seed}
+        consumed = _check_state(state, run, source.fingerprint, data_cfg.allow_fingerprint_mismatch)
+    order = build_order(data_cfg, source.num_instances, seq_len=seq_len, global_batch=global_batch, seed=seed,
+                        index_dir=index_dir)
+    return TrainIterator(source, order, data_cfg=data_cfg, shard_index=shard_index, shard_count=shard_count,
+                         batches_consumed=consumed)

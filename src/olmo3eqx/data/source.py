@@ -1,8 +1,10 @@
 """Token files -> fixed-length instances: random access over np.memmaps, validated when opened.
 
-Instance k of a file is its tokens [k*seq_len, (k+1)*seq_len); the remainder of each file is dropped and
-instances never span files. Files keep their configured order (globs expanded and sorted), so the global
-instance id of instance k of file f is (instances in the files before f) + k.
+Instances are cut as OLMo-core's NumpyFSLDataset cuts them: instance k of a file is its tokens
+[k*seq_len, (k+1)*seq_len); each file's tail is dropped (with max_target_seq_len, the tail beyond a multiple of
+max_target_seq_len, so a longer-sequence run can later reuse the same token boundaries), and instances never span
+files. Files keep their configured order (globs expanded and sorted; a mix's line order), so the global instance
+id of instance k of file f is (instances in the files before f) + k.
 """
 
 from __future__ import annotations
@@ -87,43 +89,65 @@ def check_ids(path: str, tokens: np.ndarray, vocab_size: int | None) -> None:
             f"data.token_dtype does not match the file.")
 
 
+def open_tokens(path: str, *, token_dtype: str, vocab_size: int | None, what: str) -> np.ndarray:
+    """A token file as a read-only memmap, after the checks every reader makes: it exists, its size is whole
+    tokens of its dtype, and a sample of its ids lies below vocab_size. An empty file gives an empty array."""
+    if not os.path.isfile(path):
+        raise DataError(f"Token file {path} does not exist; fix {what} or create it with "
+                        f"python -m olmo3eqx.data.prepare.")
+    dtype = file_dtype(path, token_dtype, vocab_size)
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise DataError(f"Token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype}); "
+                        f"it is truncated or holds another dtype (set data.token_dtype to the one it was "
+                        f"written with).")
+    if size == 0:
+        return np.zeros(0, dtype)
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    chunk = min(SAMPLE_TOKENS, tokens.size)
+    for start in np.unique(np.linspace(0, tokens.size - chunk, SAMPLE_CHUNKS).astype(np.int64)):
+        check_ids(path, tokens[start:start + chunk], vocab_size)
+    return tokens
+
+
+def instances_in(num_tokens: int, seq_len: int, max_target_seq_len: int | None) -> int:
+    """OLMo-core's count of a file's instances (NumpyFSLDataset._get_file_size_and_length)."""
+    if max_target_seq_len is None or max_target_seq_len == seq_len:
+        return num_tokens // seq_len
+    return num_tokens // max_target_seq_len * (max_target_seq_len // seq_len)
+
+
 class TokenSource:
     """Random access to the fixed-length instances of a list of token files, memory-mapped, never loaded."""
 
     def __init__(self, paths: Sequence[str], *, seq_len: int, token_dtype: str = "auto",
-                 vocab_size: int | None = None, what: str = "data.paths"):
+                 vocab_size: int | None = None, max_target_seq_len: int | None = None,
+                 labels: Sequence[str] | None = None, what: str = "data.paths"):
         if seq_len <= 0:
             raise DataError(f"seq_len must be positive, got {seq_len}.")
         files = expand_paths(paths, what)
         if not files:
             raise DataError(f"{what} names no token files; give .npy files, directories or globs.")
+        if labels is not None and len(labels) != len(files):
+            raise DataError(f"{len(labels)} labels for {len(files)} files in {what}; give one label per file.")
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.fingerprint: list[list] = []
         self.paths: list[str] = []
+        self.labels: list[str] = []
+        """The label of each file in `paths` (a mix line's label; the file name without a mix)."""
         self._arrays: list[np.ndarray] = []
         counts: list[int] = []
-        for path in files:
-            if not os.path.isfile(path):
-                raise DataError(f"Token file {path} does not exist; fix {what} or create it with "
-                                f"python -m olmo3eqx.data.prepare.")
-            dtype = file_dtype(path, token_dtype, vocab_size)
-            size = os.path.getsize(path)
-            self.fingerprint.append([os.path.basename(path), size])
-            if size % dtype.itemsize:
-                raise DataError(f"Token file {path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype}); "
-                                f"it is truncated or holds another dtype (set data.token_dtype to the one it was "
-                                f"written with).")
-            n = size // dtype.itemsize // seq_len
+        for i, path in enumerate(files):
+            tokens = open_tokens(path, token_dtype=token_dtype, vocab_size=vocab_size, what=what)
+            self.fingerprint.append([os.path.basename(path), os.path.getsize(path)])
+            n = instances_in(tokens.size, seq_len, max_target_seq_len)
             if n == 0:
-                warnings.warn(f"Token file {path} has fewer than seq_len={seq_len} tokens and is skipped.",
-                              stacklevel=2)
+                limit = f"max_target_seq_len={max_target_seq_len}" if max_target_seq_len else f"seq_len={seq_len}"
+                warnings.warn(f"Token file {path} has fewer than {limit} tokens and is skipped.", stacklevel=2)
                 continue
-            tokens = np.memmap(path, dtype=dtype, mode="r")
-            chunk = min(SAMPLE_TOKENS, tokens.size)
-            for start in np.unique(np.linspace(0, tokens.size - chunk, SAMPLE_CHUNKS).astype(np.int64)):
-                check_ids(path, tokens[start:start + chunk], vocab_size)
             self.paths.append(path)
+            self.labels.append(labels[i] if labels is not None else Path(path).stem)
             self._arrays.append(tokens)
             counts.append(n)
         if not counts:

@@ -94,7 +94,7 @@ def evaluate_checkpoint(args: Args) -> dict:
     heldout = args.heldout if args.heldout is not None else (base_eval.heldout if train_cfg else ())
     use_default_set = args.heldout is None and train_cfg is not None and not heldout
     eval_cfg = dataclasses.replace(
-        base_eval, heldout=heldout,
+        base_eval, heldout=heldout, heldout_mix=base_eval.heldout_mix if args.heldout is None else None,
         tasks=args.tasks if args.tasks is not None else base_eval.tasks,
         tokenizer=args.tokenizer or (base_eval.tokenizer if train_cfg else hf_tokenizer or base_eval.tokenizer),
         heldout_instances=args.heldout_instances or base_eval.heldout_instances, task_limit=args.limit)
