@@ -42,8 +42,8 @@ DEFAULT_CASES = [
     ("boolq_mc_5shot", 24),  # lettered choices scored one request each, acc primary
     ("arc_challenge_test_mc_5shot_fast", 25),  # fast multiple choice: one forward per question
     ("hellaswag_bpb_5shot", 30),  # gold continuation only
-    ("mmlu_humanities_test_rc_5shot", 12),  # MMLU from the bundled arrow files, five dev shots
-    ("mmlu_stem_test_mc_5shot_fast", 20),  # MMLU lettered, fast
+    ("mmlu_stem_test_rc_5shot", 12),  # MMLU from the bundled arrow files, five dev shots (short enough to fit)
+    ("mmlu_other_test_mc_5shot_fast", 20),  # MMLU lettered, fast
 ]
 TRAINING_TEXT_TASKS = ("arc_easy_test_mc_5shot", "arc_challenge_test_rc_5shot", "hellaswag_rc_5shot",
                        "boolq_mc_5shot", "mmlu_stem_test_mc_5shot", "mmlu_humanities_test_rc_5shot",
@@ -179,6 +179,16 @@ def test_every_named_task_matches_olmo_eval_on_a_few_hundred_requests(world, mon
             rows.append(compare_with_olmo_eval(world, name, docs // 3 if generation else docs, m,
                                                LONG_LEN if generation else MAX_LEN))
     print_table(rows)
+
+
+def test_every_document_of_a_request_file_is_read_and_unconditional_requests_are_not():
+    import json
+
+    config = json.loads((olmo_tasks.package_dir() / "oe_eval_tasks/arc_easy/test_rc_5shot/config.json").read_text())
+    requests, primary, fast = olmo_tasks.olmo_requests("arc_easy_test_rc_5shot")
+    docs = {r.doc for r in requests}
+    assert len(docs) == config["num_instances"] == 2376 and max(docs) < olmo_tasks.UNCONDITIONAL_DOC
+    assert (primary, fast) == ("len_norm", False)
 
 
 def test_task_table_is_olmo_evals_and_named_sets_exist():
