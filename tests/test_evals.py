@@ -223,6 +223,20 @@ def test_len_norm_bpb_and_documents_by_hand():
     assert [r.doc for r in tasks.first_docs(requests, 2)] == [0, 0, 1, 1, 1]
 
 
+def test_truncation_keeps_olmo_evals_last_context_tokens():
+    """olmo_eval (tasks.py prep_examples): query = ctx + continuation[:-1], cut to its last model_ctx_len tokens.
+    The model comparisons cannot see one context token more or less at the far left (a random model barely
+    attends to it), so the boundary is pinned here."""
+    ctx, cont, max_len = np.arange(10), np.asarray([100, 101, 102]), 6
+    inputs, targets, scored = tasks.build_request(ctx, cont, max_len=max_len, eos_id=0)
+    query = np.concatenate([ctx, cont[:-1]])[-max_len:]
+    np.testing.assert_array_equal(inputs, query)
+    np.testing.assert_array_equal(targets, np.concatenate([ctx, cont])[-max_len:])
+    assert scored == len(cont)
+    short, _, _ = tasks.build_request(ctx[:2], cont, max_len=max_len, eos_id=0)  # fits: nothing cut
+    np.testing.assert_array_equal(short, [0, 1, 100, 101])
+
+
 def test_task_files_fewshot_and_errors(tmp_path):
     f = tmp_path / "arc_easy.jsonl"
     f.write_text('{"fewshot": "Q: 1+1?\\nA: 2\\n\\n"}\n'
