@@ -1,4 +1,5 @@
-"""compare: synthetic run pairs with and without the memorisation signature, alignment by tokens, the PNG."""
+"""compare: synthetic run pairs with and without the memorisation signature, alignment by tokens, eval files of
+the eval CLI, the largest difference at matching steps, the PNGs."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from olmo3eqx.tools import compare
 STEPS = 400
 
 
-def write_run(path: Path, *, train_shift: float, heldout_shift: float, tokens_per_step: int = 1024,
-              seed: int = 0, every: int = 50, steps: int = STEPS) -> Path:
+def write_run(path: Path, *, train_shift: float, heldout_shift: float, task_shift: float | None = None,
+              tokens_per_step: int = 1024, seed: int = 0, every: int = 50, steps: int = STEPS) -> Path:
     """A run whose train loss is a decaying curve plus noise, shifted by `train_shift` after step 100, and whose
-    held-out losses (two sets) and task accuracy follow it, shifted by `heldout_shift`."""
+    held-out losses (two sets) follow it shifted by `heldout_shift`, and a task's bpb (proportional to it) and
+    accuracy (its primary metric) shifted by `task_shift` (default: the held-out shift)."""
+    task_shift = heldout_shift if task_shift is None else task_shift
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     with open(path / "metrics.jsonl", "w") as f:
@@ -28,9 +31,11 @@ def write_run(path: Path, *, train_shift: float, heldout_shift: float, tokens_pe
                                 "train/tokens": s * tokens_per_step}) + "\n")
             if s % every == 0:
                 h = heldout_shift if s > 100 else 0.0
+                d = task_shift if s > 100 else 0.0
                 f.write(json.dumps({"step": s, "time": 0.0, "eval/c4_en/loss": base + 0.1 + h,
                                     "eval/c4_en/ppl": math.exp(base + 0.1 + h), "eval/wiki/loss": base + 0.3 + h,
-                                    "eval/arc/acc": 0.3 - h / 10}) + "\n")
+                                    "eval/downstream/arc/acc": 0.3 - d / 10, "eval/downstream/arc/primary": 0.3 - d / 10,
+                                    "eval/downstream/arc/bpb": 0.8 * (base + 0.1 + d)}) + "\n")
     return path
 
 
@@ -49,13 +54,17 @@ def run_compare(tmp_path, a_kwargs, b_kwargs, x="step"):
     (dict(train_shift=0.0, heldout_shift=0.0), dict(train_shift=-0.3, heldout_shift=0.01), "B"),
     # A real improvement: both train and held-out lower.
     (dict(train_shift=-0.25, heldout_shift=-0.22), dict(train_shift=0.0, heldout_shift=0.0), None),
+    # Held-out flat but downstream bpb following train: inconclusive, not flagged.
+    (dict(train_shift=-0.25, heldout_shift=0.0, task_shift=-0.25), dict(train_shift=0.0, heldout_shift=0.0), None),
     # Two seeds of the same run: nothing.
     (dict(train_shift=0.0, heldout_shift=0.0), dict(train_shift=0.0, heldout_shift=0.0), None),
 ])
 def test_memorisation_signature_is_classified(tmp_path, a_kwargs, b_kwargs, verdict):
     c = run_compare(tmp_path, a_kwargs, b_kwargs)
     assert c.verdict == verdict, c.reason
-    assert c.heldout == ["eval/c4_en/loss", "eval/wiki/loss"] and c.tasks == ["eval/arc/acc"]
+    assert c.heldout == ["eval/c4_en/loss", "eval/wiki/loss"]
+    assert c.tasks == ["eval/downstream/arc/acc", "eval/downstream/arc/bpb", "eval/downstream/arc/primary"]
+    assert ("disagree" in c.reason) == (a_kwargs.get("task_shift") is not None)
     last = c.deltas["train/loss"][-1]
     assert last == pytest.approx(a_kwargs["train_shift"] - b_kwargs["train_shift"], abs=0.02)
 
@@ -80,10 +89,33 @@ def test_cli_prints_deltas_flags_and_writes_a_nontrivial_png(tmp_path, capsys):
     assert compare.main([str(tmp_path / "A"), str(tmp_path / "B"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "MEMORISATION SIGNATURE in run A" in printed
-    assert "eval/c4_en/loss" in printed and "eval/arc/acc" in printed
+    assert "eval/c4_en/loss" in printed and "eval/downstream/arc/acc" in printed
     img = np.asarray(Image.open(out).convert("RGB"))
-    assert img.shape[0] >= 300 and img.shape[1] >= 3 * 400  # three panels: train, c4_en, wiki
+    assert img.shape[0] >= 300 and img.shape[1] >= 4 * 400  # four panels: train, c4_en, wiki, arc's primary
+    for metric in ("acc", "bpb"):  # one PNG per downstream metric
+        assert Image.open(out.with_name(f"ab_{metric}.png")).size[0] >= 400
     assert len(np.unique(img.reshape(-1, 3), axis=0)) > 20  # lines, text, both runs' colours
     assert img.std() > 10
     assert compare.main([str(tmp_path / "A"), str(tmp_path / "missing")]) == 2
     assert "No metrics file" in capsys.readouterr().err
+
+
+def test_eval_files_fill_in_and_matching_steps_give_the_largest_difference(tmp_path):
+    a = write_run(tmp_path / "A", train_shift=0.0, heldout_shift=0.0)
+    b = write_run(tmp_path / "B", train_shift=0.0, heldout_shift=0.0, seed=1)
+    # B scored after the fact at steps 75 (new) and 100 (also in its metrics.jsonl, which wins).
+    (b / "eval").mkdir()
+    for step, value in ((75, 0.9), (100, 0.1)):
+        (b / "eval" / f"step_{step}.json").write_text(json.dumps(
+            {"step": step, "metrics": {"eval/downstream/arc/acc": value, "eval/downstream/hs/bpb": 1.5}}))
+    sb = compare.series(b)
+    xs, ys = sb["eval/downstream/arc/acc"]
+    assert list(xs) == [50, 75, 100, 150, 200, 250, 300, 350, 400] and ys[1] == 0.9 and ys[2] == pytest.approx(0.3)
+    assert list(sb["eval/downstream/hs/bpb"][0]) == [75, 100]
+    c = compare.compare(compare.series(a), sb)
+    m = c.matches["eval/c4_en/loss"]
+    assert m.points == 8 and m.max_diff == pytest.approx(0.0) and m.last_a == m.last_b
+    m = c.matches[compare.TRAIN]
+    ya, yb = compare.series(a)[compare.TRAIN][1], sb[compare.TRAIN][1]
+    assert m.points == 40 and m.max_diff == pytest.approx(np.max(np.abs(ya - yb)))
+    assert m.at == 10 * (1 + int(np.argmax(np.abs(ya - yb))))

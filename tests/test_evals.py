@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from olmo3eqx import hf, tasks
+from olmo3eqx import hf, olmo_tasks, tasks
 from olmo3eqx.data import heldout
 from olmo3eqx.evaluator import ShardedScorer, build_evaluator
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, MeshConfig, parse_named
@@ -32,6 +32,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "tasks" / "tiny_mc.jsonl"
 SEQ = 32
 MAX_LEN = 64  # task model length: the fixture's long context is cut, and buckets 16, 32, 64 are all used
 BATCH = 8
+METRICS = ("acc", "len_norm", "bpb", "bpb_v1", "primary")
 # A byte-level model (ids 0..255, EOS 256, PAD 257) of the brief's tiny size; window 16 < 64 so it bites.
 TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=16, eos_token_id=256, pad_token_id=257)
@@ -103,10 +104,11 @@ def test_heldout_loss_matches_transformers_per_named_set(tiny, tmp_path, mode):
     write_tokens(tmp_path / "extra" / "a.npy", random_docs(rng, 4, 256))
     eval_cfg = EvalConfig(heldout=(str(tmp_path / "v3_small"), f"pile={tmp_path}/extra/*.npy"),
                           heldout_instances=mode)
-    evaluate, names = build_evaluator(eval_cfg, DataConfig(), model.cfg, mesh=mesh, model_shardings=shardings,
-                                            batch_size=BATCH, seq_len=SEQ, max_instances=0)
+    evaluator = build_evaluator(eval_cfg, DataConfig(), model.cfg, mesh=mesh, model_shardings=shardings,
+                                batch_size=BATCH, seq_len=SEQ, max_instances=0)
+    names = evaluator.heldout_names
     assert names == ["c4_en", "wikitext_103", "pile"]
-    got = evaluate(model)
+    got = evaluator(model)
     assert set(got) == {f"eval/{n}/{m}" for n in names for m in ("loss", "ppl")}
     for name, files in [("c4_en", sorted((tmp_path / "v3_small" / "c4_en" / "val").glob("*.npy"))),
                         ("wikitext_103", [tmp_path / "v3_small" / "wikitext_103" / "val" / "part-0-00000.npy"]),
@@ -134,6 +136,12 @@ def test_default_set_is_the_data_heldout_split_and_names_parse(tmp_path):
 # --- multiple-choice tasks ------------------------------------------------------------------------
 
 
+def load_fixture(vocab_size: int = 384, max_len: int = MAX_LEN) -> tasks.Task:
+    [task] = olmo_tasks.load_tasks([str(FIXTURE)], tasks.Tokenizer.load("bytes"), max_len=max_len,
+                                   vocab_size=vocab_size)
+    return task
+
+
 def hf_choice_logprob(ref, context: str, continuation: str, max_len: int) -> tuple[float, bool]:
     ctx = list(context.encode()) or [256]
     cont = list(continuation.encode())
@@ -144,59 +152,110 @@ def hf_choice_logprob(ref, context: str, continuation: str, max_len: int) -> tup
             all(int(np.argmax(lp[t])) == whole[t + 1] for t in positions))
 
 
+def by_doc(requests) -> list[list[int]]:
+    docs: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        docs.setdefault(r.doc, []).append(i)
+    return list(docs.values())
+
+
 def test_choice_loglikelihoods_answers_and_metrics_match_transformers(tiny):
     _, ref, model, mesh, shardings = tiny
-    task = tasks.Task.load("tiny_mc", str(FIXTURE), tasks.Tokenizer.load("bytes"), max_len=MAX_LEN,
-                           vocab_size=model.cfg.vocab_size)
+    task = load_fixture()
     scorer = ShardedScorer(mesh, shardings, BATCH)
-    ours, greedy = scorer.score_requests(model, task.requests, max_len=MAX_LEN, pad_id=257)
-    want = [hf_choice_logprob(ref, e.context, c, MAX_LEN) for e in task.examples for c in e.continuations]
+    ours, greedy = scorer.score_requests(model, task.rows, max_len=MAX_LEN, pad_id=257)
+    want = [hf_choice_logprob(ref, r.context, r.continuation, MAX_LEN) for r in task.requests]
     np.testing.assert_allclose(ours, [w for w, _ in want], rtol=1e-5, atol=2e-4)
     assert list(greedy) == [g for _, g in want]
-    assert max(len(r[0]) for r in task.requests) == MAX_LEN  # the long context was left-truncated
+    assert max(len(r[0]) for r in task.rows) == MAX_LEN  # the long context was left-truncated
 
     # The chosen answers, and the metrics computed by hand from HF's numbers.
-    k, acc, acc_char, bpb = 0, 0, 0, 0.0
-    for e in task.examples:
-        ll_ours = ours[k:k + len(e.continuations)]
-        ll = np.array([w for w, _ in want[k:k + len(e.continuations)]])
-        k += len(e.continuations)
-        assert np.argmax(ll_ours) == np.argmax(ll), e.id
-        acc += np.argmax(ll) == e.gold
-        acc_char += np.argmax(ll / np.array([len(c) for c in e.continuations])) == e.gold
-        bpb += -ll[e.gold] / math.log(2) / len(e.continuations[e.gold].encode())
-    n = len(task.examples)
+    acc, len_norm, bpb, bpb_v1 = 0, 0, 0.0, 0.0
+    for idx in by_doc(task.requests):
+        conts = [task.requests[i].continuation for i in idx]
+        gold = task.requests[idx[0]].gold
+        ll = np.array([want[i][0] for i in idx])
+        assert np.argmax(ours[idx]) == np.argmax(ll), idx
+        acc += np.argmax(ll) == gold
+        len_norm += np.argmax(ll / np.array([len(c) for c in conts])) == gold
+        bpb += -ll[gold] / math.log(2) / len(conts[gold].encode())
+        bpb_v1 += -ll[gold] / math.log(2) / len(conts[gold][1:].encode())
+    n = len(by_doc(task.requests))
     got = scorer.evaluate_task(model, task, max_len=MAX_LEN, pad_id=257)
-    assert got["acc"] == pytest.approx(acc / n)
-    assert got["acc_per_char"] == pytest.approx(acc_char / n)
+    assert got["acc"] == pytest.approx(acc / n) and got["primary"] == got["acc"]
+    assert got["len_norm"] == pytest.approx(len_norm / n)
     assert got["bpb"] == pytest.approx(bpb / n, rel=1e-5)
+    assert got["bpb_v1"] == pytest.approx(bpb_v1 / n, rel=1e-5)
 
 
-def test_acc_per_char_and_bpb_by_hand():
-    examples = [tasks.Example("a", "ctx", (" a", " bbbbbb"), 1),  # raw picks 0; per char -1 vs -0.5 picks 1
-                tasks.Example("b", "ctx", (" x", " é"), 0)]  # " é" is 2 characters but 3 bytes
-    m = tasks.task_metrics(examples, [-2.0, -3.5, -1.0, -4.0])
-    assert m["acc"] == 0.5 and m["acc_per_char"] == 1.0
-    assert m["bpb"] == pytest.approx((3.5 / 7 + 1.0 / 2) / math.log(2) / 2)
+def test_fast_choices_are_the_first_token_logprobs_after_the_context(tiny):
+    """Fast multiple choice against HF: log p(choice | context) at the context's last position, one forward per
+    document, for single-token (here single-byte) choices."""
+    _, ref, model, mesh, shardings = tiny
+    contexts = ["Question: 2+2?\nAnswer:", "x" * 100, "The answer is"]
+    requests = [tasks.Request(d, k, 1, c, ch) for d, c in enumerate(contexts) for k, ch in enumerate("ABCD"[:2 + d])]
+    task = tasks.Task.build("fast", requests, tasks.Tokenizer.load("bytes"), primary="acc", fast=True,
+                            max_len=SEQ, vocab_size=384)
+    loglik = ShardedScorer(mesh, shardings, BATCH).task_logliks(model, task, max_len=SEQ, pad_id=257)
+    for r, got in zip(task.requests, loglik):
+        ids = list(r.context.encode())[-SEQ:]
+        assert got == pytest.approx(hf_logprobs(ref, ids)[-1, ord(r.continuation)], rel=1e-5, abs=1e-5)
+    with pytest.raises(tasks.TaskError, match="not one token"):
+        tasks.Task.build("fast", [tasks.Request(0, 0, 0, "c", " A")], tasks.Tokenizer.load("bytes"), primary="acc",
+                         fast=True, max_len=SEQ, vocab_size=384)
+
+
+def test_len_norm_bpb_and_documents_by_hand():
+    bytes_tok = tasks.Tokenizer.load("bytes")
+    requests = [tasks.Request(0, 0, 1, "ctx", " a"), tasks.Request(0, 1, 1, "ctx", " bbbbbb"),
+                tasks.Request(1, 0, 0, "ctx", " x"), tasks.Request(1, 1, 0, "ctx", " é"),  # 2 characters, 3 bytes
+                tasks.Request(1, 1, 0, "ctx", " ignored"),  # a repeated (doc, choice): the first one counts
+                tasks.Request(2, 1, 0, "ctx", " y")]  # choice ids not 0..n-1: olmo_eval drops the document
+    task = tasks.Task.build("t", requests, bytes_tok, primary="len_norm", fast=False, max_len=16, vocab_size=384)
+    assert len(task.requests) == 5
+    # doc 0: raw picks 0; per char -1 vs -0.5 picks 1.
+    m = tasks.task_metrics(task, [-2.0, -3.5, -1.0, -4.0, -9.0])
+    assert m["acc"] == 0.5 and m["len_norm"] == 1.0 and m["primary"] == 1.0
+    assert m["bpb"] == pytest.approx((3.5 / 7 + 1.0 / 2) * tasks.LOG_2_OF_E / 2)
+    assert m["bpb_v1"] == pytest.approx((3.5 / 6 + 1.0 / 1) * tasks.LOG_2_OF_E / 2)
+    gold = tasks.Task.build("g", [tasks.Request(0, 0, 0, "ctx", " a")], bytes_tok, primary="bpb", fast=False, max_len=16, vocab_size=384)
+    assert tasks.task_metrics(gold, [-2.0]).keys() == {"bpb", "bpb_v1", "primary"}
+    assert [r.doc for r in tasks.first_docs(requests, 2)] == [0, 0, 1, 1, 1]
+
+
+def test_truncation_keeps_olmo_evals_last_context_tokens():
+    """olmo_eval (tasks.py prep_examples): query = ctx + continuation[:-1], cut to its last model_ctx_len tokens.
+    The model comparisons cannot see one context token more or less at the far left (a random model barely
+    attends to it), so the boundary is pinned here."""
+    ctx, cont, max_len = np.arange(10), np.asarray([100, 101, 102]), 6
+    inputs, targets, scored = tasks.build_request(ctx, cont, max_len=max_len, eos_id=0)
+    query = np.concatenate([ctx, cont[:-1]])[-max_len:]
+    np.testing.assert_array_equal(inputs, query)
+    np.testing.assert_array_equal(targets, np.concatenate([ctx, cont])[-max_len:])
+    assert scored == len(cont)
+    short, _, _ = tasks.build_request(ctx[:2], cont, max_len=max_len, eos_id=0)  # fits: nothing cut
+    np.testing.assert_array_equal(short, [0, 1, 100, 101])
 
 
 def test_task_files_fewshot_and_errors(tmp_path):
     f = tmp_path / "arc_easy.jsonl"
     f.write_text('{"fewshot": "Q: 1+1?\\nA: 2\\n\\n"}\n'
                  '{"id": "x", "context": "Q: 2+2?\\nA:", "continuations": [" 4", " 5"], "gold": 0}\n')
-    assert tasks.task_files([str(f)]) == {"arc_easy": str(f)}
-    [e] = tasks.load_task(f)
-    assert e.context == "Q: 1+1?\nA: 2\n\nQ: 2+2?\nA:" and e.continuations == (" 4", " 5")
+    assert olmo_tasks.task_sources([str(f)]) == {"arc_easy": str(f)}
+    r0, r1 = tasks.jsonl_requests(f)
+    assert r0.context == "Q: 1+1?\nA: 2\n\nQ: 2+2?\nA:" and (r0.continuation, r1.continuation) == (" 4", " 5")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "c", "continuations": [" a", " b"], "gold": 2}\n')
     with pytest.raises(tasks.TaskError, match="bad.jsonl line 1: gold"):
-        tasks.load_task(bad)
+        tasks.jsonl_requests(bad)
     with pytest.raises(tasks.TaskError, match="does not exist"):
-        tasks.task_files([str(tmp_path / "missing.jsonl")])
+        tasks.jsonl_requests(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="named 'arc_easy'"):
+        olmo_tasks.task_sources([str(f), f"arc_easy={f}"])
     big = tmp_path / "big.jsonl"
     big.write_text(json.dumps({"context": "\U0001F600", "continuations": [" a", " b"], "gold": 0}) + "\n")
     with pytest.raises(tasks.TaskError, match="vocab_size 200"):  # byte 0xF0 = 240 >= 200
-        tasks.Task.load("big", str(big), tasks.Tokenizer.load("bytes"), max_len=64, vocab_size=200)
+        olmo_tasks.load_tasks([str(big)], tasks.Tokenizer.load("bytes"), max_len=64, vocab_size=200)
 
 
 # --- the CLI and the loop -------------------------------------------------------------------------
@@ -214,14 +273,15 @@ def test_eval_cli_on_a_checkpoint_prints_a_table_and_writes_json(tiny, tmp_path,
                  "--tasks", str(FIXTURE), "--seq-len", str(SEQ), "--batch-size", "8", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
-    assert {"eval/c4_en/loss", "eval/c4_en/ppl", "eval/tiny_mc/acc", "eval/tiny_mc/acc_per_char",
-            "eval/tiny_mc/bpb"} == set(result["metrics"])
-    assert "c4_en" in printed and "tiny_mc" in printed and "acc_per_char" in printed
+    assert {"eval/c4_en/loss", "eval/c4_en/ppl"} | {f"eval/downstream/tiny_mc/{m}" for m in METRICS} == set(
+        result["metrics"])
+    assert "c4_en" in printed and "tiny_mc" in printed and "len_norm" in printed
     # An HF directory evaluates the same (same weights, same numbers).
     out2 = tmp_path / "hf.json"
     assert main(["--ckpt", str(path), "--tasks", str(FIXTURE), "--seq-len", str(SEQ), "--out", str(out2)]) == 0
     hf_metrics = json.loads(out2.read_text())["metrics"]
-    assert hf_metrics["eval/tiny_mc/bpb"] == pytest.approx(result["metrics"]["eval/tiny_mc/bpb"], rel=1e-5)
+    key = "eval/downstream/tiny_mc/bpb"
+    assert hf_metrics[key] == pytest.approx(result["metrics"][key], rel=1e-5)
     assert main(["--ckpt", str(tmp_path / "ckpt")]) == 2  # nothing to evaluate: one clear sentence
     assert "Nothing to evaluate" in capsys.readouterr().err
 
@@ -235,14 +295,14 @@ model: {vocab_size: 384, hidden_size: 64, intermediate_size: 128, num_hidden_lay
 data: {seq_len: 32, global_batch: 8, paths: ["DIR/train.npy"]}
 optim: {lr: 3.0e-3, warmup_steps: 1}
 mesh: {max_per_device_batch: 8}
-checkpoint: {every: 100, async_save: false}
+checkpoint: {every: 1, async_save: false}
 eval: {every: 2, batches: 1, heldout: ["c4_en=DIR/c4.npy", "wiki=DIR/wiki.npy"], heldout_instances: document,
        tasks: ["FIXTURE"]}
 log: {every: 1, progress: false, tensorboard: false}
 """
 
 
-def test_training_loop_logs_every_named_set_and_task(tmp_path):
+def test_training_loop_logs_every_named_set_and_task_and_every_checkpoint_is_scored(tmp_path, capsys):
     rng = np.random.default_rng(2)
     for name, docs in [("train", 60), ("c4", 6), ("wiki", 6)]:
         write_tokens(tmp_path / f"{name}.npy", random_docs(rng, docs, 256))
@@ -257,10 +317,24 @@ def test_training_loop_logs_every_named_set_and_task(tmp_path):
 
     start, ev = [r for r in read_metrics(tmp_path / "ev") if "eval/c4_en/loss" in r]
     assert (start["step"], ev["step"]) == (0, 2)  # the untrained model, then the end of the run
-    for key in ("eval/c4_en/ppl", "eval/wiki/loss", "eval/tiny_mc/acc", "eval/tiny_mc/acc_per_char",
-                "eval/tiny_mc/bpb"):
+    for key in ("eval/c4_en/ppl", "eval/wiki/loss", *(f"eval/downstream/tiny_mc/{m}" for m in METRICS)):
         assert math.isfinite(ev[key]) and math.isfinite(start[key]), key
-    assert "eval step 2: c4_en loss" in p.stderr
+    assert "eval step 2: c4_en loss" in p.stderr and "tiny_mc acc" in p.stderr
+
+    # Every kept checkpoint scored after the fact: steps 1 and 2, then nothing left to score. Step 2's task
+    # metrics are the loop's (same weights; 8 devices here, 2 there), held-out too on the loop's instances.
+    from olmo3eqx.eval import main
+
+    assert main(["--ckpt", str(tmp_path / "ev"), "--all-checkpoints", "--max-instances", "8"]) == 0
+    scored = {n: json.loads((tmp_path / "ev" / "eval" / f"step_{n}.json").read_text()) for n in (1, 2)}
+    assert scored[2]["primary"] == {"tiny_mc": "acc"}
+    for key, value in ev.items():
+        if key.startswith("eval/"):
+            assert scored[2]["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert scored[1]["metrics"]["eval/c4_en/loss"] != scored[2]["metrics"]["eval/c4_en/loss"]
+    capsys.readouterr()
+    assert main(["--ckpt", str(tmp_path / "ev"), "--all-checkpoints", "--max-instances", "8"]) == 0
+    assert capsys.readouterr().out.count("already scored") == 2
 
 
 # --- lm-evaluation-harness adapter ----------------------------------------------------------------
@@ -298,10 +372,8 @@ def test_lm_eval_harness_runs_offline_on_our_checkpoint(tiny, tmp_path, monkeypa
     lm = OLMo3EqxLM(ckpt=str(path), tokenizer="bytes", max_length=MAX_LEN, batch_size=1)
     results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(
         include_path=str(tmp_path / "tasks"), include_defaults=False), log_samples=True)
-    task = tasks.Task.load("tiny_mc", str(FIXTURE), tasks.Tokenizer.load("bytes"), max_len=MAX_LEN,
-                           vocab_size=model.cfg.vocab_size)
     scorer = ShardedScorer(mesh, shardings, BATCH)
-    ours = scorer.evaluate_task(model, task, max_len=MAX_LEN, pad_id=257)
+    ours = scorer.evaluate_task(model, load_fixture(model.cfg.vocab_size), max_len=MAX_LEN, pad_id=257)
     assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(ours["acc"])
     # Every per-choice log-likelihood the harness saw is HF's.
     for sample in results["samples"]["tiny_mc"]:

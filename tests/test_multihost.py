@@ -120,7 +120,7 @@ def test_checkpoint_crosses_process_counts(cfg_path, single, before, after):
     assert saved and saved[-1] < STEPS
     results = finish(launch(cfg_path, run_dir, after))
     assert all(rc == 0 for rc, _ in results), [err[-2000:] for _, err in results]
-    assert f"resumed from" in results[0][1]
+    assert "resumed from" in results[0][1]
     assert_close(run_dir, single)
     assert indices(run_dir) == indices(single)
 

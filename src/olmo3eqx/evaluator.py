@@ -1,16 +1,18 @@
-"""The evaluator: held-out LM loss on named token sets (data/heldout.py) and downstream multiple-choice tasks
-(tasks.py), jitted and sharded over the mesh's batch axes like the train step, in the loop and from the eval CLI.
+"""The evaluator: held-out LM loss on named token sets (data/heldout.py) and downstream tasks (tasks.py, read by
+olmo_tasks.py), jitted and sharded over the mesh's batch axes like the train step, in the loop and from the eval CLI.
 
 Held-out loss is the token-weighted cross-entropy over every scored token of a set; ppl = exp(loss). Held-out
-batches have the fixed shape [batch_size, seq_len]; task requests are padded to power-of-two length buckets, so a
-whole task compiles at most log2(max_len) shapes. In the loop, a memorisation watch compares the recent training
-loss with the first held-out set's loss after every evaluation.
+batches have the fixed shape [batch_size, seq_len]; task rows are padded to power-of-two length buckets, so a whole
+task compiles at most log2(max_len) shapes. Metric names: eval/<set>/loss, eval/<set>/ppl and
+eval/downstream/<task>/<metric> (tasks.py: acc, len_norm, bpb, bpb_v1, primary). In the loop, a memorisation
+watch compares the recent training loss with the first held-out set's loss after every evaluation.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +22,14 @@ from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, ModelConfig
 from olmo3eqx.data.heldout import open_heldout
-from olmo3eqx.loss import loss_sums, token_logprobs
+from olmo3eqx.loss import candidate_logprobs, loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
+from olmo3eqx.olmo_tasks import load_tasks
 from olmo3eqx.sharding import batch_sharding, data_parallel_size
-from olmo3eqx.tasks import Task, Tokenizer, request_batches, task_files, task_metrics
+from olmo3eqx.tasks import Task, Tokenizer, choice_batches, request_batches, task_metrics
+
+DOWNSTREAM = "eval/downstream"
+"""Prefix of task metrics: eval/downstream/<task>/<metric>."""
 
 
 def heldout_sums(model: OLMo3, tokens: Int[Array, "b s"],
@@ -50,17 +56,18 @@ class ShardedScorer:
             raise ConfigError(f"The evaluation batch {batch_size} must be a positive multiple of the {dp} "
                               f"data-parallel devices and of the {jax.process_count()} processes.")
         self.mesh, self.batch_size = mesh, batch_size
-        bsh, rep = batch_sharding(mesh, 2), NamedSharding(mesh, P())
-        self._heldout = jax.jit(heldout_sums, in_shardings=(model_shardings, bsh, bsh), out_shardings=(rep, rep))
-        self._score = jax.jit(continuation_scores, in_shardings=(model_shardings, bsh, bsh, bsh),
+        b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), NamedSharding(mesh, P())
+        self._heldout = jax.jit(heldout_sums, in_shardings=(model_shardings, b2, b2), out_shardings=(rep, rep))
+        self._score = jax.jit(continuation_scores, in_shardings=(model_shardings, b2, b2, b2),
                               out_shardings=(rep, rep))
+        self._choices = jax.jit(candidate_logprobs, in_shardings=(model_shardings, b2, b1, b2), out_shardings=rep)
 
     def _put_rows(self, x: np.ndarray) -> jax.Array:
         """Global host rows -> a batch-sharded array; each process contributes its contiguous slice."""
         n, p = jax.process_count(), jax.process_index()
         rows = x.shape[0] // n
-        return jax.make_array_from_process_local_data(batch_sharding(self.mesh, 2), x[p * rows:(p + 1) * rows],
-                                                      x.shape)
+        return jax.make_array_from_process_local_data(batch_sharding(self.mesh, x.ndim),
+                                                      x[p * rows:(p + 1) * rows], x.shape)
 
     def heldout_loss(self, model: OLMo3, instances, max_instances: int = 0) -> dict[str, float]:
         """Token-weighted CE over the first `max_instances` instances (0: all) of a set, and its perplexity."""
@@ -88,17 +95,52 @@ class ShardedScorer:
             greedy[rows] = np.asarray(g)[:rows.size]
         return logprob, greedy
 
+    def score_choices(self, model: OLMo3, queries: Sequence[np.ndarray], choices: Sequence[np.ndarray], *,
+                      max_len: int, pad_id: int) -> list[np.ndarray]:
+        """Per query: log p(choice | query) of each of its one-token choices, one forward per query."""
+        pending = [(rows, self._choices(model, *map(self._put_rows, arrays)))
+                   for rows, *arrays in choice_batches(queries, choices, max_len=max_len,
+                                                       batch_size=self.batch_size, pad_id=pad_id)]
+        out: list[np.ndarray] = [np.zeros(0)] * len(queries)
+        for rows, lp in pending:  # fetched after every batch is dispatched
+            lp = np.asarray(lp, np.float64)
+            for row, i in enumerate(rows.tolist()):
+                out[i] = lp[row, :len(choices[i])]
+        return out
+
+    def task_logliks(self, model: OLMo3, task: Task, *, max_len: int, pad_id: int) -> np.ndarray:
+        """Every request's summed log-likelihood, in the order of task.requests."""
+        if not task.fast:
+            return self.score_requests(model, task.rows, max_len=max_len, pad_id=pad_id)[0]
+        loglik = np.zeros(len(task.requests), np.float64)
+        for members, lp in zip(task.members, self.score_choices(model, task.rows, task.choices, max_len=max_len,
+                                                                pad_id=pad_id)):
+            loglik[members] = lp
+        return loglik
+
     def evaluate_task(self, model: OLMo3, task: Task, *, max_len: int, pad_id: int) -> dict[str, float]:
-        logprob, _ = self.score_requests(model, task.requests, max_len=max_len, pad_id=pad_id)
-        return task_metrics(task.examples, logprob)
+        return task_metrics(task, self.task_logliks(model, task, max_len=max_len, pad_id=pad_id))
 
 
 # --- one evaluation: every set and task -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Evaluator:
+    """evaluator(model) -> every metric of one evaluation; what it evaluates: the held-out sets (in config order)
+    and each task's primary metric."""
+
+    evaluate: Callable[[OLMo3], dict[str, float]]
+    heldout_names: list[str]
+    primary: dict[str, str]
+
+    def __call__(self, model: OLMo3) -> dict[str, float]:
+        return self.evaluate(model)
+
+
 def make_evaluator(scorer: ShardedScorer, *, sets: dict[str, object], tasks: Sequence[Task], max_instances: int,
-                   max_len: int, pad_id: int) -> Callable[[OLMo3], dict[str, float]]:
-    """model -> {eval/<set>/loss, eval/<set>/ppl, eval/<task>/acc, .../acc_per_char, .../bpb}."""
+                   max_len: int, pad_id: int) -> Evaluator:
+    """An Evaluator of {eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric>}."""
 
     def evaluate(model: OLMo3) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -107,62 +149,74 @@ def make_evaluator(scorer: ShardedScorer, *, sets: dict[str, object], tasks: Seq
             out[f"eval/{name}/loss"], out[f"eval/{name}/ppl"] = r["loss"], r["ppl"]
         for task in tasks:
             for k, v in scorer.evaluate_task(model, task, max_len=max_len, pad_id=pad_id).items():
-                out[f"eval/{task.name}/{k}"] = v
+                out[f"{DOWNSTREAM}/{task.name}/{k}"] = v
         return out
 
-    return evaluate
+    return Evaluator(evaluate, list(sets), {t.name: t.primary for t in tasks})
 
 
 def build_evaluator(eval_cfg: EvalConfig, data_cfg: DataConfig, model_cfg: ModelConfig, *, mesh: Mesh,
                     model_shardings, batch_size: int, seq_len: int, max_instances: int,
-                    with_heldout: bool = True) -> tuple[Callable, list[str]]:
-    """(evaluate(model) -> metrics, names of the held-out sets in config order) for a run's config;
-    `with_heldout=False` evaluates the tasks only. Sets and task files are opened and checked here."""
+                    with_heldout: bool = True) -> Evaluator:
+    """The Evaluator of a run's config; `with_heldout=False` evaluates the tasks only. Sets and tasks are opened,
+    tokenized and checked here."""
     vocab = data_cfg.vocab_size or model_cfg.vocab_size
     sets = open_heldout(eval_cfg, data_cfg, seq_len=seq_len, vocab_size=vocab, eos_id=model_cfg.eos_token_id,
                         pad_id=model_cfg.pad_token_id) if with_heldout else {}
+    if DOWNSTREAM.split("/")[1] in sets:
+        raise ConfigError("A held-out set may not be named 'downstream' (task metrics live under eval/downstream/); "
+                          "rename it with name=glob.")
     tasks = []
     if eval_cfg.tasks:
-        tokenizer = Tokenizer.load(eval_cfg.tokenizer)
-        tasks = [Task.load(name, path, tokenizer, max_len=seq_len, vocab_size=model_cfg.vocab_size,
-                           limit=eval_cfg.task_limit) for name, path in task_files(eval_cfg.tasks).items()]
-        clash = set(sets) & {t.name for t in tasks}
-        if clash:
-            raise ConfigError(f"{sorted(clash)} name both a held-out set and a task; rename one with name=path.")
+        tasks = load_tasks(eval_cfg.tasks, Tokenizer.load(eval_cfg.tokenizer), max_len=seq_len,
+                           vocab_size=model_cfg.vocab_size, limit=eval_cfg.task_limit)
     scorer = ShardedScorer(mesh, model_shardings, batch_size)
-    evaluate = make_evaluator(scorer, sets=sets, tasks=tasks, max_instances=max_instances, max_len=seq_len,
-                              pad_id=model_cfg.pad_token_id)
-    return evaluate, list(sets)
+    return make_evaluator(scorer, sets=sets, tasks=tasks, max_instances=max_instances, max_len=seq_len,
+                          pad_id=model_cfg.pad_token_id)
 
 
-def summary(metrics: dict[str, float]) -> str:
-    """One line for the training log: set losses, then task accuracies."""
+def split_name(key: str) -> tuple[str, str, str]:
+    """('heldout' | 'task', set or task name, metric) of a metric key."""
+    parts = key.split("/")
+    if key.startswith(DOWNSTREAM + "/"):
+        return "task", parts[2], parts[3]
+    return "heldout", parts[1], parts[2]
+
+
+def summary(metrics: dict[str, float], primary: dict[str, str]) -> str:
+    """One line for the training log: set losses, then each task's primary metric."""
     parts = []
     for k, v in metrics.items():
-        _, name, what = k.split("/")
-        if what in ("loss", "acc"):
-            parts.append(f"{name} {what} {v:.4f}")
+        kind, name, what = split_name(k)
+        if kind == "heldout" and what == "loss":
+            parts.append(f"{name} loss {v:.4f}")
+        elif kind == "task" and what == "primary":
+            parts.append(f"{name} {primary.get(name, what)} {v:.4f}")
     return ", ".join(parts)
 
 
-def table(metrics: dict[str, float]) -> str:
-    """Rows of a fixed-width table: held-out sets (loss, ppl), then tasks (acc, acc_per_char, bpb)."""
-    rows: dict[str, dict[str, float]] = {}
+TASK_COLUMNS = ("acc", "len_norm", "bpb", "bpb_v1")
+
+
+def table(metrics: dict[str, float], primary: dict[str, str] | None = None) -> str:
+    """Rows of a fixed-width table: held-out sets (loss, ppl), then tasks (acc, len_norm, bpb, bpb_v1 and which is
+    primary)."""
+    sets: dict[str, dict[str, float]] = {}
+    tasks: dict[str, dict[str, float]] = {}
     for k, v in metrics.items():
-        _, name, what = k.split("/")
-        rows.setdefault(name, {})[what] = v
-    width = max([len(n) for n in rows] + [8])
+        kind, name, what = split_name(k)
+        (tasks if kind == "task" else sets).setdefault(name, {})[what] = v
+    width = max([len(n) for n in [*sets, *tasks]] + [8])
     lines = []
-    sets = [n for n, r in rows.items() if "loss" in r]
-    tasks = [n for n, r in rows.items() if "acc" in r]
     if sets:
         lines.append(f"{'held-out':<{width}}  {'loss':>9}  {'ppl':>11}")
-        lines += [f"{n:<{width}}  {rows[n]['loss']:>9.4f}  {rows[n]['ppl']:>11.3f}" for n in sets]
+        lines += [f"{n:<{width}}  {r['loss']:>9.4f}  {r['ppl']:>11.3f}" for n, r in sets.items()]
     if tasks:
         lines.append("")
-        lines.append(f"{'task':<{width}}  {'acc':>7}  {'acc_per_char':>12}  {'bpb':>8}")
-        lines += [f"{n:<{width}}  {rows[n]['acc']:>7.4f}  {rows[n]['acc_per_char']:>12.4f}  {rows[n]['bpb']:>8.4f}"
-                  for n in tasks]
+        lines.append(f"{'task':<{width}}" + "".join(f"  {c:>8}" for c in TASK_COLUMNS) + "  primary")
+        for n, r in tasks.items():
+            cells = "".join(f"  {r[c]:>8.4f}" if c in r else f"  {'-':>8}" for c in TASK_COLUMNS)
+            lines.append(f"{n:<{width}}{cells}  {(primary or {}).get(n, '')}")
     return "\n".join(lines).strip("\n")
 
 
@@ -192,9 +246,8 @@ class LoopEvaluator:
     """Evaluation inside the training loop: every eval.every steps and at the last; logs the metrics and a summary
     line, then the memorisation watch's verdict on the first held-out set."""
 
-    def __init__(self, evaluate: Callable[[OLMo3], dict[str, float]], heldout_names: list[str], *, every: int,
-                 last_step: int, gap: float, log):
-        self.evaluate, self.heldout_names = evaluate, heldout_names
+    def __init__(self, evaluator: Evaluator, *, every: int, last_step: int, gap: float, log):
+        self.evaluator, self.heldout_names = evaluator, evaluator.heldout_names
         self.every, self.last_step, self.log = every, last_step, log
         self.watch = MemorisationWatch(gap)
 
@@ -202,9 +255,9 @@ class LoopEvaluator:
         return step % self.every == 0 or step == self.last_step
 
     def run(self, step: int, model: OLMo3, recent_train_loss: float | None = None) -> None:
-        metrics = self.evaluate(model)
+        metrics = self.evaluator(model)
         self.log.log(step, metrics)
-        self.log.print(f"eval step {step}: {summary(metrics)}")
+        self.log.print(f"eval step {step}: {summary(metrics, self.evaluator.primary)}")
         if self.heldout_names:
             warning = self.watch.update(recent_train_loss, metrics[f"eval/{self.heldout_names[0]}/loss"])
             if warning:

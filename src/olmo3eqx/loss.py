@@ -90,3 +90,12 @@ def token_logprobs(model: OLMo3, tokens: Int[Array, "b s"],
         return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == y
 
     return map_logits(logprob_and_greedy, model.hidden(tokens), model.lm_head.weight, targets, remat=False)
+
+
+def candidate_logprobs(model: OLMo3, tokens: Int[Array, "b s"], positions: Int[Array, " b"],
+                       candidates: Int[Array, "b k"]) -> Float[Array, "b k"]:
+    """log p(candidates[b, j] | tokens[b, :positions[b]+1]) in float32: one position per row, unembedded alone."""
+    hidden = model.hidden(tokens)
+    h = jnp.take_along_axis(hidden, positions[:, None, None], axis=1)[:, 0]
+    logits = jnp.einsum("bd,dv->bv", h, model.lm_head.weight.astype(h.dtype), preferred_element_type=jnp.float32)
+    return jnp.take_along_axis(logits, candidates, axis=1) - jax.nn.logsumexp(logits, axis=-1, keepdims=True)

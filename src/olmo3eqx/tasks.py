@@ -1,56 +1,68 @@
-"""Downstream multiple-choice tasks by rank classification: task files, their tokenized requests, and the metrics
-from each request's log-likelihood (scored by olmo3eqx.evaluator). Host-side only: nothing here runs on a device.
+"""Downstream tasks scored by rank classification, as AI2's olmo_eval scores them: a task's requests, their
+tokenized rows, and the metrics from each request's log-likelihood (computed on the mesh by olmo3eqx.evaluator).
+Host-side only: nothing here runs on a device. Where requests come from (olmo_eval's task data, or our JSONL
+files) is olmo3eqx.olmo_tasks's and `jsonl_requests`'s business.
 
-Tasks (`eval.tasks`): a JSONL file per task, one example per line:
+A request is one continuation of one document (olmo_eval's doc_id, cont_id and label). Context and continuation
+are tokenized separately and concatenated (no BOS: OLMo's tokenizers have none; an empty context becomes EOS),
+then left-truncated so the inputs fit the model length: inputs = (context + continuation)[:-1][-max_len:], the
+last len(continuation) inputs predicting the continuation (olmo_eval's `query` and `ctx_len`). Two scorings:
+- every request one row; its log-likelihood is the sum over the continuation's tokens;
+- `fast` (olmo_eval's fast_mc): one row per document, the context alone; every choice is one token, scored at the
+  last position, and each choice takes the first choice's lengths for normalisation, as olmo_eval's does.
+
+Metrics, as olmo_eval's ICLMetric computes them per document, then averaged over documents:
+- `acc`: argmax of the log-likelihoods is the gold choice; `len_norm`: the same with each log-likelihood divided
+  by its continuation's length in characters (leading space included);
+- `bpb`: -log2 p(gold continuation) / its UTF-8 bytes (leading space included; olmo_eval's bpb_v2); `bpb_v1`:
+  the bytes without the first character (olmo_eval's bpb_v1, the figure OLMo-core's logs label "(BPB)");
+- `primary`: the task's primary metric (acc, len_norm or bpb). A task whose primary metric is bpb (olmo_eval's
+  *_bpb_* tasks) scores only each document's gold continuation and logs bpb, bpb_v1 and primary.
+
+Task files (`eval.tasks`): a JSONL file per task, one example per line:
 
     {"id": "arc-e-17", "context": "Question: ...\\nAnswer:", "continuations": [" a", " b", " c"], "gold": 1}
 
-`context` is the whole prompt the model sees (few-shot examples included: render them into it when exporting,
-or give them once in a first line `{"fewshot": "<text put before every context>"}`); `gold` indexes
-`continuations`. Each continuation is scored by the summed log-likelihood of its tokens given the context
-(context and continuation tokenized separately and concatenated; an empty context becomes EOS), left-truncated
-to the model length. Metrics (OLMES): `acc` (argmax of the sum), `acc_per_char` (argmax of the sum divided by the
-continuation's length in characters) and `bpb` (mean over examples of -log2 p(gold) / UTF-8 bytes of gold).
+`context` is the whole prompt (few-shot examples included: render them into it, or give them once in a first
+line `{"fewshot": "<text put before every context>"}`); `gold` indexes `continuations`. Primary metric: acc.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from jaxtyping import Float, Int
 
-from olmo3eqx.config import ConfigError, parse_named
 from olmo3eqx.data.prepare import encode_texts, tokenizer_info
 from olmo3eqx.data.source import DataError
 
 MIN_BUCKET = 16
-"""Shortest padded request; buckets double from here up to the model length."""
+"""Shortest padded row; buckets double from here up to the model length."""
+LOG_2_OF_E = 1.44269504089
+"""olmo_eval's constant (metrics.py), used instead of 1/ln 2 so bpb agrees with AI2's to the last digit."""
+Metric = Literal["acc", "len_norm", "bpb"]
 
 
 class TaskError(DataError):
-    """A task file that cannot be read; the message names the file, the line and the fix."""
+    """A task that cannot be read or scored; the message names the task (or file and line) and the fix."""
 
 
-def task_files(entries: Sequence[str]) -> dict[str, str]:
-    """Task name -> JSONL path: 'name=path', or a bare path named after its file (arc_easy.jsonl -> arc_easy)."""
-    out: dict[str, str] = {}
-    for name, path in parse_named(entries, "eval.tasks"):
-        path = os.path.expanduser(path)
-        if not os.path.isfile(path):
-            raise TaskError(f"Task file {path} does not exist; give JSONL files exported as described in "
-                            f"olmo3eqx.tasks (context, continuations, gold, id).")
-        name = name or Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
-        if name in out:
-            raise ConfigError(f"Two eval.tasks are named {name!r}; name them apart with name=path.")
-        out[name] = path
-    return out
+@dataclass(frozen=True)
+class Request:
+    """One continuation to score: document `doc`'s choice `choice`, whose gold choice is `gold`."""
+
+    doc: int
+    choice: int
+    gold: int
+    context: str
+    continuation: str
 
 
 @dataclass(frozen=True)
@@ -67,25 +79,37 @@ class Tokenizer:
         return Tokenizer(spec, info["eos_id"], info["vocab_size"])
 
     def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text (no special tokens added), each distinct text encoded once."""
         if not texts:
             return []
-        return [ids.astype(np.int32) for ids in encode_texts([t.encode("utf-8") for t in texts], self.spec)]
+        unique = list(dict.fromkeys(texts))
+        ids = encode_texts([t.encode("utf-8") for t in unique], self.spec)
+        by_text = {t: x.astype(np.int32) for t, x in zip(unique, ids)}
+        return [by_text[t] for t in texts]
 
 
-@dataclass(frozen=True)
-class Example:
-    id: str
-    context: str
-    continuations: tuple[str, ...]
-    gold: int
+# --- our JSONL task files -------------------------------------------------------------------------
 
 
-def load_task(path: str | Path, limit: int = 0) -> list[Example]:
-    """The examples of a task JSONL file (the first `limit` if positive), few-shot prefix applied."""
+def jsonl_task_name(path: str) -> str:
+    """A JSONL task's default name: its file name without .jsonl(.gz)."""
+    return Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
+
+
+def is_task_file(entry: str) -> bool:
+    """Whether an eval.tasks entry names a JSONL file rather than an OLMo task or named set."""
+    return entry.endswith((".jsonl", ".jsonl.gz")) or os.sep in entry or os.path.isfile(entry)
+
+
+def jsonl_requests(path: str | Path) -> list[Request]:
+    """The requests of a task JSONL file (one document per example), few-shot prefix applied."""
     path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"Task file {path} does not exist; give JSONL files exported as described in "
+                        f"olmo3eqx.tasks (context, continuations, gold, id), or OLMo task names.")
     opener = gzip.open if path.name.endswith(".gz") else open
-    examples: list[Example] = []
-    prefix = ""
+    requests: list[Request] = []
+    prefix, docs = "", 0
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -98,7 +122,7 @@ def load_task(path: str | Path, limit: int = 0) -> list[Example]:
             if not isinstance(d, dict):
                 raise TaskError(f"{where} must be a JSON object.")
             if "continuations" not in d and "fewshot" in d:
-                if examples or prefix:
+                if docs or prefix:
                     raise TaskError(f"{where}: a {{\"fewshot\": ...}} line may only come first.")
                 prefix = str(d["fewshot"])
                 continue
@@ -114,15 +138,39 @@ def load_task(path: str | Path, limit: int = 0) -> list[Example]:
             if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(conts):
                 raise TaskError(f"{where}: gold must be an index into continuations (0..{len(conts) - 1}), "
                                 f"got {gold!r}.")
-            examples.append(Example(str(d.get("id", lineno)), prefix + d["context"], tuple(conts), gold))
-            if 0 < limit <= len(examples):
-                break
-    if not examples:
+            requests += [Request(docs, k, gold, prefix + d["context"], c) for k, c in enumerate(conts)]
+            docs += 1
+    if not requests:
         raise TaskError(f"{path} holds no examples.")
-    return examples
+    return requests
 
 
-# --- requests -----------------------------------------------------------------------------------
+def first_docs(requests: Sequence[Request], limit: int) -> list[Request]:
+    """The requests of the first `limit` documents (in order of first appearance); all when limit <= 0."""
+    if limit <= 0:
+        return list(requests)
+    kept: set[int] = set()
+    out = []
+    for r in requests:
+        if r.doc not in kept and len(kept) == limit:
+            continue
+        kept.add(r.doc)
+        out.append(r)
+    return out
+
+
+def unique_choices(requests: Sequence[Request]) -> list[Request]:
+    """The requests with each (doc, choice) kept once, the first: olmo_eval's metric keeps the first it sees."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for r in requests:
+        if (r.doc, r.choice) not in seen:
+            seen.add((r.doc, r.choice))
+            out.append(r)
+    return out
+
+
+# --- rows -----------------------------------------------------------------------------------------
 
 
 def buckets(max_len: int) -> list[int]:
@@ -147,69 +195,142 @@ def build_request(context: Int[np.ndarray, " c"], continuation: Int[np.ndarray, 
     return whole[:-1], whole[1:], len(continuation)
 
 
-def request_batches(requests: Sequence[tuple[np.ndarray, np.ndarray, int]], *, max_len: int, batch_size: int,
-                    pad_id: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(request indices, tokens, targets, weights) of fixed-size batches, requests grouped by length bucket (longest
-    first) and padded to the bucket: weights are 1 on the continuation's targets, 0 elsewhere; unused rows are
-    padding."""
+def bucket_batches(lengths: Sequence[int], *, max_len: int, batch_size: int) -> Iterator[tuple[np.ndarray, int]]:
+    """(row indices, padded length) of fixed-size batches: rows grouped by length bucket, longest first; the last
+    batch of a bucket may hold fewer rows (the caller pads it)."""
     sizes = buckets(max_len)
-    lengths = np.asarray([len(r[0]) for r in requests])
+    lengths = np.asarray(lengths)
     bucket_of = np.searchsorted(sizes, lengths)
     order = np.lexsort((-lengths, -bucket_of))
     for k in sorted(set(bucket_of.tolist()), reverse=True):
         idx = order[bucket_of[order] == k]
-        length = sizes[k]
         for start in range(0, idx.size, batch_size):
-            rows = idx[start:start + batch_size]
-            tokens = np.full((batch_size, length), pad_id, np.int32)
-            targets = np.zeros((batch_size, length), np.int32)
-            weights = np.zeros((batch_size, length), np.float32)
-            for row, i in enumerate(rows.tolist()):
-                inp, tgt, scored = requests[i]
-                tokens[row, :len(inp)], targets[row, :len(tgt)] = inp, tgt
-                weights[row, len(tgt) - scored:len(tgt)] = 1.0
-            yield rows, tokens, targets, weights
+            yield idx[start:start + batch_size], sizes[k]
+
+
+def request_batches(requests: Sequence[tuple[np.ndarray, np.ndarray, int]], *, max_len: int, batch_size: int,
+                    pad_id: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(request indices, tokens, targets, weights) of fixed-size batches of `build_request` rows, padded to their
+    bucket: weights are 1 on the continuation's targets, 0 elsewhere; unused rows are padding."""
+    for rows, length in bucket_batches([len(r[0]) for r in requests], max_len=max_len, batch_size=batch_size):
+        tokens = np.full((batch_size, length), pad_id, np.int32)
+        targets = np.zeros((batch_size, length), np.int32)
+        weights = np.zeros((batch_size, length), np.float32)
+        for row, i in enumerate(rows.tolist()):
+            inp, tgt, scored = requests[i]
+            tokens[row, :len(inp)], targets[row, :len(tgt)] = inp, tgt
+            weights[row, len(tgt) - scored:len(tgt)] = 1.0
+        yield rows, tokens, targets, weights
+
+
+def choice_batches(queries: Sequence[np.ndarray], choices: Sequence[np.ndarray], *, max_len: int, batch_size: int,
+                   pad_id: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(row indices, tokens, positions, choice ids) of fixed-size batches of fast multiple-choice rows: each row's
+    choices are scored at its last real position; choice slots beyond a row's choices hold 0 and are ignored."""
+    width = max(len(c) for c in choices)
+    for rows, length in bucket_batches([len(q) for q in queries], max_len=max_len, batch_size=batch_size):
+        tokens = np.full((batch_size, length), pad_id, np.int32)
+        positions = np.zeros(batch_size, np.int32)
+        ids = np.zeros((batch_size, width), np.int32)
+        for row, i in enumerate(rows.tolist()):
+            tokens[row, :len(queries[i])] = queries[i]
+            positions[row] = len(queries[i]) - 1
+            ids[row, :len(choices[i])] = choices[i]
+        yield rows, tokens, positions, ids
+
+
+# --- a task ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Task:
-    """A task's examples with their requests tokenized (one per continuation, example by example)."""
+    """A task's requests, tokenized into rows, with the lengths its metrics normalise by.
+
+    Without `fast`, `rows[i]` is request i's (inputs, targets, scored). With `fast`, `rows` holds one query per
+    document, `choices[j]` that document's one-token choices in choice order and `members[j]` the indices of the
+    requests they score. `chars`, `bytes_v2` and `bytes_v1` are per request (fast: the document's first choice's)."""
 
     name: str
-    examples: list[Example]
-    requests: list[tuple[np.ndarray, np.ndarray, int]]
+    primary: Metric
+    fast: bool
+    requests: list[Request]
+    rows: list
+    choices: list[np.ndarray]
+    members: list[np.ndarray]
+    chars: np.ndarray
+    bytes_v2: np.ndarray
+    bytes_v1: np.ndarray
 
     @staticmethod
-    def load(name: str, path: str, tokenizer: Tokenizer, *, max_len: int, vocab_size: int, limit: int = 0) -> Task:
-        examples = load_task(path, limit)
-        contexts = tokenizer.encode([e.context for e in examples])
-        conts = tokenizer.encode([c for e in examples for c in e.continuations])
+    def build(name: str, requests: Sequence[Request], tokenizer: Tokenizer, *, primary: Metric, fast: bool,
+              max_len: int, vocab_size: int) -> Task:
+        requests = unique_choices(requests)
+        if not requests:
+            raise TaskError(f"Task {name} has no requests to score.")
+        contexts = tokenizer.encode([r.context for r in requests])
+        conts = tokenizer.encode([r.continuation for r in requests])
         top = max(int(x.max(initial=0)) for x in contexts + conts)
         if top >= vocab_size:
-            raise TaskError(f"Task {name} ({path}) tokenized with {tokenizer.spec} has token id {top} >= the model's "
+            raise TaskError(f"Task {name} tokenized with {tokenizer.spec} has token id {top} >= the model's "
                             f"vocab_size {vocab_size}; set eval.tokenizer to the tokenizer the model was trained with.")
-        requests, k = [], 0
-        for e, ctx in zip(examples, contexts):
-            for _ in e.continuations:
+        text = [r.continuation for r in requests]
+        chars = np.asarray([len(c) for c in text], np.float64)
+        bytes_v2 = np.asarray([len(c.encode("utf-8")) for c in text], np.float64)
+        bytes_v1 = np.asarray([len(c[1:].encode("utf-8")) for c in text], np.float64)
+        rows, choices, members = [], [], []
+        if not fast:
+            for r, ctx, cont in zip(requests, contexts, conts):
                 try:
-                    requests.append(build_request(ctx, conts[k], max_len=max_len, eos_id=tokenizer.eos_id))
+                    rows.append(build_request(ctx, cont, max_len=max_len, eos_id=tokenizer.eos_id))
                 except TaskError as err:
-                    raise TaskError(f"Task {name} example {e.id}: {err}") from None
-                k += 1
-        return Task(name, examples, requests)
+                    raise TaskError(f"Task {name} document {r.doc} choice {r.choice}: {str(err)[:-1]}; raise data.seq_len "
+                                    f"(--seq-len for python -m olmo3eqx.eval) or leave the task out.") from None
+        else:
+            by_doc: dict[int, list[int]] = {}
+            for i, r in enumerate(requests):
+                by_doc.setdefault(r.doc, []).append(i)
+            for doc, idx in by_doc.items():
+                idx = sorted(idx, key=lambda i: requests[i].choice)
+                long = [requests[i].continuation for i in idx if len(conts[i]) != 1]
+                if long:
+                    raise TaskError(f"Task {name} is fast multiple choice (one token per choice), but choice "
+                                    f"{long[0]!r} of document {doc} is not one token with {tokenizer.spec}; use the "
+                                    f"task without _fast, or the tokenizer it was made for.")
+                first = idx[0]
+                ctx = contexts[first] if len(contexts[first]) else np.asarray([tokenizer.eos_id], np.int32)
+                rows.append(ctx[-max_len:])
+                choices.append(np.asarray([conts[i][0] for i in idx], np.int32))
+                members.append(np.asarray(idx))
+                for arr in (chars, bytes_v2, bytes_v1):  # olmo_eval's fast_mc keeps the first choice's lengths
+                    arr[idx] = arr[first]
+        return Task(name, primary, fast, requests, rows, choices, members, chars, bytes_v2, bytes_v1)
 
 
-def task_metrics(examples: Sequence[Example],
-                 logprobs: Float[np.ndarray, " n"] | Sequence[float]) -> dict[str, float]:
-    """acc, acc_per_char and bpb (of the gold continuation) from each continuation's summed log-likelihood,
-    `logprobs` flattened example by example."""
-    k, correct, correct_char, bpb = 0, 0, 0, 0.0
-    for e in examples:
-        ll = np.asarray(logprobs[k:k + len(e.continuations)], np.float64)
-        k += len(e.continuations)
-        chars = np.asarray([len(c) for c in e.continuations], np.float64)
-        correct += int(np.argmax(ll) == e.gold)
-        correct_char += int(np.argmax(ll / chars) == e.gold)
-        bpb += -ll[e.gold] / (math.log(2) * len(e.continuations[e.gold].encode("utf-8")))
-    n = len(examples)
-    return {"acc": correct / n, "acc_per_char": correct_char / n, "bpb": bpb / n}
+def task_metrics(task: Task, loglik: Float[np.ndarray, " n"] | Sequence[float]) -> dict[str, float]:
+    """The task's metrics from every request's summed log-likelihood (`loglik[i]` scores `task.requests[i]`),
+    per document as olmo_eval's ICLMetric.compute: a document whose choice ids are not exactly 0..n-1 is dropped,
+    and the gold label is the document's first request's."""
+    loglik = np.asarray(loglik, np.float64)
+    docs: dict[int, dict[int, int]] = {}
+    gold: dict[int, int] = {}
+    for i, r in enumerate(task.requests):
+        docs.setdefault(r.doc, {})[r.choice] = i
+        gold.setdefault(r.doc, r.gold)
+    correct, correct_norm, bpb_v2, bpb_v1 = [], [], [], []
+    with np.errstate(divide="ignore", invalid="ignore"):  # a one-character continuation has no v1 bytes: inf
+        for doc, by_choice in docs.items():
+            if sorted(by_choice) != list(range(len(by_choice))):
+                continue
+            idx = np.asarray([by_choice[c] for c in range(len(by_choice))])
+            g = idx[gold[doc]] if 0 <= gold[doc] < idx.size else None
+            if g is None:
+                raise TaskError(f"Task {task.name} document {doc} has gold choice {gold[doc]} but {idx.size} choices.")
+            ll = loglik[idx]
+            correct.append(float(np.argmax(ll) == gold[doc]))
+            correct_norm.append(float(np.argmax(ll / task.chars[idx]) == gold[doc]))
+            bpb_v2.append(-loglik[g] / task.bytes_v2[g] * LOG_2_OF_E)
+            bpb_v1.append(-loglik[g] / task.bytes_v1[g] * LOG_2_OF_E)
+    out = {"bpb": float(np.mean(bpb_v2)), "bpb_v1": float(np.mean(bpb_v1))}
+    if task.primary != "bpb":
+        out = {"acc": float(np.mean(correct)), "len_norm": float(np.mean(correct_norm)), **out}
+    return {**out, "primary": out[task.primary]}

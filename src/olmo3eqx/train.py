@@ -323,12 +323,11 @@ def loop_evaluator(cfg: TrainConfig, layout, log):
         return None
     from olmo3eqx.evaluator import LoopEvaluator, build_evaluator
 
-    evaluate, heldout_names = build_evaluator(
+    evaluator = build_evaluator(
         cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
         batch_size=layout.plan.micro_batch, seq_len=cfg.data.seq_len,
         max_instances=cfg.eval.batches * cfg.data.global_batch)
-    return LoopEvaluator(evaluate, heldout_names, every=cfg.eval.every, last_step=cfg.steps,
-                         gap=cfg.eval.memorisation_gap, log=log)
+    return LoopEvaluator(evaluator, every=cfg.eval.every, last_step=cfg.steps, gap=cfg.eval.memorisation_gap, log=log)
 
 
 class Reporter:

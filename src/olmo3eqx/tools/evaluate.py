@@ -1,12 +1,18 @@
-"""Evaluate a checkpoint: held-out LM loss per named set and multiple-choice tasks; prints a table, writes JSON.
+"""Evaluate a checkpoint, or every kept checkpoint of a run: held-out LM loss per named set and downstream tasks;
+prints a table, writes JSON.
 
-    python -m olmo3eqx.eval --ckpt runs/tiny --heldout c4_en=data/c4_en/*.npy --tasks tasks/arc_easy.jsonl
+    python -m olmo3eqx.eval --ckpt runs/tiny --heldout c4_en=data/c4_en/*.npy --tasks seed-eight
+    python -m olmo3eqx.eval --ckpt runs/tiny --all-checkpoints
+    python -m olmo3eqx.eval --list-tasks
 
 `--ckpt` is a run directory, its checkpoints/, one step directory, convert.py's output, or an HF Olmo3
 directory (config.json + safetensors). Flags left unset come from the run's stored config (eval.heldout or its
 default held-out set, eval.tasks, eval.tokenizer, data.seq_len); an HF directory's tokenizer.json is used when
-present. The JSON (default: <run>/eval/step_<N>.json for a run, else eval_step_<N>.json here) holds the
-metrics under their logged names plus what was evaluated.
+present. `--tasks` takes what eval.tasks takes: olmo_eval task names, the named sets, JSONL files. The JSON
+(default: <run>/eval/step_<N>.json for a run, else eval_step_<N>.json here) holds the metrics under their
+logged names, each task's primary metric and what was evaluated (`spec`). `--all-checkpoints` scores every kept
+step of the run in turn into <run>/eval/step_<N>.json, skipping steps whose file already holds the same spec;
+`python -m olmo3eqx.compare` reads these files beside metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -27,14 +33,15 @@ DEFAULT_SEQ_LEN = 2048
 
 @dataclass(frozen=True)
 class Args:
-    """Evaluate a checkpoint on held-out token sets and multiple-choice task files."""
+    """Evaluate a checkpoint (or every checkpoint of a run) on held-out token sets and downstream tasks."""
 
-    ckpt: str
+    ckpt: str = ""
     """Run directory, checkpoints/ directory, step directory, or HF Olmo3 directory."""
     heldout: tuple[str, ...] | None = None
     """Held-out sets, 'name=glob' or an OLMo-layout directory (see eval.heldout); unset: the run's own."""
     tasks: tuple[str, ...] | None = None
-    """Task JSONL files, 'path' or 'name=path'; unset: the run's eval.tasks."""
+    """olmo_eval task names, named sets (olmo3-in-loop, seed-eight) or JSONL files ('path' or 'name=path');
+    unset: the run's eval.tasks."""
     tokenizer: str | None = None
     """'bytes' or a tokenizer.json; unset: the run's eval.tokenizer, an HF directory's tokenizer.json, or bytes."""
     heldout_instances: Literal["packed", "document"] | None = None
@@ -46,9 +53,13 @@ class Args:
     max_instances: int = 0
     """Held-out instances per set; 0: every instance."""
     limit: int = 0
-    """Examples per task; 0: all."""
+    """Documents per task; 0: all."""
     out: str | None = None
-    """Where to write the JSON results."""
+    """Where to write the JSON results (one checkpoint only)."""
+    all_checkpoints: bool = False
+    """Score every kept checkpoint of the run (those already scored with the same spec are skipped)."""
+    list_tasks: bool = False
+    """Print the task names and named sets eval.tasks takes, and exit."""
 
 
 def load_any(ckpt: str):
@@ -79,7 +90,21 @@ def run_config(stored: dict | None):
         return None
 
 
-def evaluate_checkpoint(args: Args) -> dict:
+@dataclass
+class Setup:
+    """What one or many evaluations share: the first model loaded, its evaluator and the spec of what it scores."""
+
+    model: object
+    step: int
+    run_dir: Path | None
+    evaluator: object
+    shardings: object
+    spec: dict
+
+
+def setup(args: Args) -> Setup:
+    """Load the checkpoint `args.ckpt` names (the newest step of a run), resolve what to evaluate, build the
+    evaluator (sets and tasks read and tokenized once)."""
     import jax
 
     from olmo3eqx.config import DataConfig, EvalConfig, MeshConfig
@@ -102,7 +127,7 @@ def evaluate_checkpoint(args: Args) -> dict:
                                                                        model_cfg.max_position_embeddings))
     if not (eval_cfg.heldout or use_default_set or eval_cfg.tasks):
         raise TaskError("Nothing to evaluate: give --heldout and/or --tasks (this checkpoint stores no run "
-                              "config to take them from).")
+                        "config to take them from).")
 
     mesh = make_mesh(MeshConfig())
     devices = data_parallel_size(mesh)
@@ -110,14 +135,80 @@ def evaluate_checkpoint(args: Args) -> dict:
     batch = -(-batch // devices) * devices
     shardings = model_shardings(model, mesh)
     model = jax.device_put(model, shardings)
-    evaluate, _ = build_evaluator(eval_cfg, data_cfg, model_cfg, mesh=mesh, model_shardings=shardings,
-                                  batch_size=batch, seq_len=seq_len, max_instances=args.max_instances,
-                                  with_heldout=bool(eval_cfg.heldout or use_default_set))
+    evaluator = build_evaluator(eval_cfg, data_cfg, model_cfg, mesh=mesh, model_shardings=shardings,
+                                batch_size=batch, seq_len=seq_len, max_instances=args.max_instances,
+                                with_heldout=bool(eval_cfg.heldout or use_default_set))
+    spec = {"heldout": list(eval_cfg.heldout) if eval_cfg.heldout else ("default" if use_default_set else []),
+            "tasks": list(eval_cfg.tasks), "tokenizer": eval_cfg.tokenizer,
+            "heldout_instances": eval_cfg.heldout_instances, "seq_len": seq_len, "max_instances": args.max_instances,
+            "limit": args.limit}
+    return Setup(model, step, run_dir, evaluator, shardings, spec)
+
+
+def score(s: Setup, model, step: int, ckpt: str) -> dict:
     t = time.perf_counter()
-    metrics = evaluate(model)
-    return {"ckpt": str(Path(args.ckpt).absolute()), "step": step, "seq_len": seq_len, "batch_size": batch,
-            "tokenizer": eval_cfg.tokenizer, "heldout_instances": eval_cfg.heldout_instances,
-            "seconds": round(time.perf_counter() - t, 3), "metrics": metrics, "_run_dir": run_dir}
+    metrics = s.evaluator(model)
+    return {"ckpt": ckpt, "step": step, "seconds": round(time.perf_counter() - t, 3), "metrics": metrics,
+            "primary": s.evaluator.primary, "spec": s.spec}
+
+
+def write(result: dict, out: Path, evaluator) -> None:
+    from olmo3eqx.evaluator import table
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['ckpt']} step {result['step']} (seq_len {result['spec']['seq_len']}, "
+          f"{result['seconds']:.1f} s)")
+    print(table(result["metrics"], evaluator.primary))
+    print(f"wrote {out}")
+
+
+def evaluate_one(args: Args) -> None:
+    s = setup(args)
+    result = score(s, s.model, s.step, str(Path(args.ckpt).absolute()))
+    if args.out:
+        out = Path(args.out)
+    elif s.run_dir is not None:
+        out = s.run_dir / "eval" / f"step_{s.step}.json"
+    else:
+        out = Path(f"eval_step_{s.step}.json")
+    write(result, out, s.evaluator)
+
+
+def already_scored(path: Path, spec: dict) -> bool:
+    try:
+        return json.loads(path.read_text()).get("spec") == spec
+    except (OSError, ValueError):
+        return False
+
+
+def evaluate_all(args: Args) -> None:
+    """Every kept step of the run, oldest first, into <run>/eval/step_<N>.json; steps already scored with the same
+    spec are skipped."""
+    from olmo3eqx import checkpoint
+    from olmo3eqx.config import ConfigError
+
+    root, steps = checkpoint.complete_steps(args.ckpt)
+    if args.out:
+        raise ConfigError("--out names one file; --all-checkpoints writes <run>/eval/step_<N>.json per step.")
+    run_dir = root.parent if root.name == "checkpoints" else root
+    s = setup(dataclasses.replace(args, ckpt=str(root)))  # the newest step: its config says what to evaluate
+    for step in steps:
+        out = run_dir / "eval" / f"step_{step}.json"
+        if already_scored(out, s.spec):
+            print(f"step {step}: already scored ({out})")
+            continue
+        model = s.model if step == s.step else checkpoint.restore_model(root, step, s.model.cfg, s.shardings)
+        write(score(s, model, step, str(root / str(step))), out, s.evaluator)
+
+
+def list_all_tasks() -> None:
+    from olmo3eqx import olmo_tasks
+
+    for name, members in olmo_tasks.TASK_SETS.items():
+        print(f"{name}: {' '.join(members)}")
+    print()
+    print("\n".join(olmo_tasks.supported_tasks()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,24 +221,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     try:
-        result = evaluate_checkpoint(args)
+        if args.list_tasks:
+            list_all_tasks()
+        elif not args.ckpt:
+            raise ConfigError("Give --ckpt (a run, checkpoint or HF directory), or --list-tasks.")
+        elif args.all_checkpoints:
+            evaluate_all(args)
+        else:
+            evaluate_one(args)
     except (ConfigError, DataError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
-    run_dir = result.pop("_run_dir")
-    if args.out:
-        out = Path(args.out)
-    elif run_dir is not None:
-        out = run_dir / "eval" / f"step_{result['step']}.json"
-    else:
-        out = Path(f"eval_step_{result['step']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{result['ckpt']} step {result['step']} (seq_len {result['seq_len']}, {result['seconds']:.1f} s)")
-    from olmo3eqx.evaluator import table
-
-    print(table(result["metrics"]))
-    print(f"wrote {out}")
     return 0
 
 
