@@ -5,13 +5,16 @@ Whether this process logs is the caller's decision (`enabled`, normally `jax.pro
 metrics (`train/loss`, `perf/mfu`, `eval/<set>/loss`). Values are plain ints and floats; a non-finite
 float (NaN, +-inf) is written as `null`, which keeps every line valid JSON and reads back as NaN in
 `read_metrics` and pandas. A resumed run appends; old lines stay (steps logged after the last checkpoint
-of the interrupted run then appear twice, the later line being the resumed run's).
+of the interrupted run then appear twice, the later line being the resumed run's). A process killed inside a write,
+or a disk that filled up mid-line, leaves a torn last line: `read_metrics` skips it and the next run's logger drops
+it before appending.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -119,6 +122,48 @@ class ThroughputMeter:
         return out
 
 
+TAIL_CHUNK = 1 << 16
+"""Bytes read at a time from a file's end when looking for its last newline."""
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Truncate `path` after its last newline (a torn last line: the writer was killed, or the disk filled, in it)."""
+    with open(path, "r+b") as f:
+        pos = f.seek(0, os.SEEK_END)
+        if pos == 0:
+            return
+        f.seek(pos - 1)
+        if f.read(1) == b"\n":
+            return
+        while pos > 0:
+            start = max(0, pos - TAIL_CHUNK)
+            f.seek(start)
+            newline = f.read(pos - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+def open_append(path: Path):
+    """`path` opened to append lines, unbuffered (a line is on disk, or its write raised, when `append_line`
+    returns; closing never writes), its torn last line dropped first so the next line starts a line of its own."""
+    if path.is_file():
+        drop_torn_tail(path)
+    return open(path, "ab", buffering=0)
+
+
+def append_line(file, text: str) -> None:
+    """Write `text` and a newline to a file from `open_append`; an OSError (a full disk) names the file."""
+    data = (text + "\n").encode()
+    try:
+        while data:
+            data = data[file.write(data):]
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, file.name) from None
+
+
 class IndexLog:
     """With `enabled`, appends {"step", "index"} (the global instance ids of each step's batch) to
     run_dir/indices/process_<i>.jsonl, one line per step, across resumes like metrics.jsonl; a no-op otherwise."""
@@ -127,11 +172,11 @@ class IndexLog:
         self._file = None
         if enabled:
             (Path(run_dir) / "indices").mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(run_dir) / "indices" / f"process_{process_index}.jsonl", "a", buffering=1)
+            self._file = open_append(Path(run_dir) / "indices" / f"process_{process_index}.jsonl")
 
     def write(self, step: int, index: np.ndarray) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "index": index.tolist()}) + "\n")
+            append_line(self._file, json.dumps({"step": step, "index": index.tolist()}))
 
     def close(self) -> None:
         if self._file is not None:
@@ -189,13 +234,7 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / METRICS_FILE
-        if path.is_file():  # a run killed mid-write leaves half a line: drop it before appending
-            data = path.read_bytes()
-            if data and not data.endswith(b"\n"):
-                with open(path, "r+b") as f:
-                    f.truncate(data.rfind(b"\n") + 1)
-        self._file = open(path, "a")
+        self._file = open_append(run_dir / METRICS_FILE)
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -218,8 +257,7 @@ class MetricsLogger:
             return
         values = {k: to_python(v) for k, v in _flatten(metrics).items()}
         record = {"step": int(step), "time": time.time(), **{k: _json_value(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        append_line(self._file, json.dumps(record, allow_nan=False))
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, int(step))
