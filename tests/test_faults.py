@@ -222,7 +222,8 @@ def test_a_save_on_a_full_disk_is_one_storage_error_and_the_previous_checkpoint_
         ck.close()
 
 
-FULL_DISK_CONFIG = CONFIG.replace("eval: {every: 4, batches: 1}", "eval: {every: 0}")
+FULL_DISK_CONFIG = (CONFIG.replace("eval: {every: 4, batches: 1}", "eval: {every: 0}").replace("steps: 12", "steps: 18")
+                    .replace("checkpoint: {every: 4, keep: 3}", "checkpoint: {every: 6, keep: 3}"))
 
 
 def test_train_on_a_full_disk_stops_with_one_sentence_and_resumes_bit_identically(tmp_path, shared):
@@ -233,32 +234,34 @@ def test_train_on_a_full_disk_stops_with_one_sentence_and_resumes_bit_identicall
     size = tree_bytes(build_layout(load_yaml(cfg)).state_target())
     disk = tmp_path / "disk"
     ckpt = disk / "e2e" / "checkpoints"
-    # Room for checkpoint 4 (a little smaller than the state: orbax compresses) and the run's small files, not for
-    # checkpoint 8 beside it.
+    # Room for checkpoint 6 (a little smaller than the state: orbax compresses) and the run's small files, not for
+    # checkpoint 12 beside it.
     with tmpfs(disk, int(1.2 * size) + (1 << 18)) as resize:
         first_cmd = train_cmd(cfg, disk)
-        if resize is None:  # no tmpfs here: fail checkpoint 8's writes inside orbax instead
-            first_cmd[1:2] = ["-c", FAIL_WRITES.format(step=8) + "serialization.async_serialize_from_host = "
+        if resize is None:  # no tmpfs here: fail checkpoint 12's writes inside orbax instead
+            first_cmd[1:2] = ["-c", FAIL_WRITES.format(step=12) + "serialization.async_serialize_from_host = "
                               "write_or_fail\nimport sys\nfrom olmo3eqx.train import main\nsys.exit(main(sys.argv[1:]))"]
         first = subprocess.run(first_cmd, env=trainer_env(shared), capture_output=True, text=True, timeout=600)
         assert first.returncode == exits.STORAGE, first.stderr[-3000:]
         errors = error_lines(first.stderr)
         assert len(errors) == 1, first.stderr[-3000:]
-        assert "(No space left on device" in errors[0] and f"the last intact checkpoint is {ckpt / '4'}" in errors[0]
+        assert "(No space left on device" in errors[0] and f"the last intact checkpoint is {ckpt / '6'}" in errors[0]
         assert "Traceback" not in first.stderr and "Event loop is closed" not in first.stderr, first.stderr[-3000:]
         before = [r for r in read_metrics(disk / "e2e") if "train/loss" in r]
+        # The failure in orbax's background thread stopped the run within steps, not at the next save (18).
+        assert 12 <= before[-1]["step"] < 18, before[-1]["step"]
 
         if resize is not None:
             resize(6 * size)
         second = subprocess.run(train_cmd(cfg, disk), env=trainer_env(shared), capture_output=True, text=True,
                                 timeout=600)
         assert second.returncode == 0, second.stderr[-3000:]
-        assert f"resumed from {ckpt / '4'}" in second.stderr
+        assert f"resumed from {ckpt / '6'}" in second.stderr
         after = [r for r in read_metrics(disk / "e2e") if "train/loss" in r][len(before):]
-        assert committed(ckpt) == [4, 8, 12]
+        assert committed(ckpt) == [6, 12, 18]
     replayed = {r["step"]: r["train/loss"] for r in after}
-    assert sorted(replayed) == list(range(5, 13))
-    lost = [r for r in before if r["step"] > 4]
+    assert sorted(replayed) == list(range(7, 19))
+    lost = [r for r in before if r["step"] > 6]
     assert lost, "the failed run logged no step after its last checkpoint"
     for r in lost:
         assert replayed[r["step"]] == r["train/loss"], f"step {r['step']}"
