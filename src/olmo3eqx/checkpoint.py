@@ -168,18 +168,23 @@ def directory_bytes(path: Path) -> int:
 
 class QuietStorageFailures(logging.Filter):
     """orbax reports one failed write many times over: an error log with a traceback from each thread it passed
-    through, and tensorstore callbacks into the event loop orbax has closed print "Event loop is closed" once per
-    pending write (dozens). Checkpointer raises the failure once, as a StorageError; this drops those echoes and
-    nothing else (orbax's other logs, other unraisable exceptions)."""
+    through, a "Event loop is closed" traceback from each tensorstore callback into the event loop orbax has closed
+    (dozens), and at exit one from each write coroutine left pending. Checkpointer raises the failure once, as a
+    StorageError; this drops those echoes and nothing else (orbax's other logs, other unraisable exceptions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.orbax_dir = os.path.dirname(ocp.__file__)  # kept here: at exit, module globals may be gone
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from_orbax = record.pathname.startswith(os.path.dirname(ocp.__file__))
         failure = record.exc_info[1] if record.exc_info else None
-        return not (from_orbax and record.levelno >= logging.ERROR and
+        return not (record.pathname.startswith(self.orbax_dir) and record.levelno >= logging.ERROR and
                     (storage_errno(failure) is not None or TENSORSTORE_ERRNO.search(record.getMessage())))
 
     def unraisable(self, u) -> None:
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+        loop_closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        code = getattr(u.object, "cr_code", None)
+        if not (loop_closed or (code is not None and code.co_filename.startswith(self.orbax_dir))):
             self.previous_hook(u)
 
     def install(self) -> None:
