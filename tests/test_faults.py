@@ -4,6 +4,7 @@ with ENOSPC), SIGKILL inside checkpoint writes and inside metrics.jsonl appends.
 
 import calendar
 import contextlib
+import errno
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +273,33 @@ def test_train_on_a_full_disk_stops_with_one_sentence_and_resumes_bit_identicall
     assert lost, "the failed run logged no step after its last checkpoint"
     for r in lost:
         assert replayed[r["step"]] == r["train/loss"], f"step {r['step']}"
+
+
+def test_a_full_disk_under_the_metrics_sinks_raises_instead_of_hanging(tmp_path):
+    """metrics.jsonl and TensorBoard on a disk that fills up: an OSError naming the file (train.py turns it into a
+    StorageError), not tensorboardX's writer thread dying and its full queue blocking the loop forever."""
+    disk = tmp_path / "disk"
+    with tmpfs(disk, 256 << 10) as resize:
+        if resize is None:
+            pytest.skip("mounting a tmpfs is not permitted here")
+        log = MetricsLogger(disk, LogConfig(progress=False), total_steps=10**9)
+        failure = []
+
+        def fill():
+            try:
+                for step in range(1, 10**6):
+                    log.log(step, {f"train/m{i}": float(i) for i in range(50)})
+            except OSError as e:
+                failure.append(e)
+
+        writer = threading.Thread(target=fill, daemon=True)
+        writer.start()
+        writer.join(120)
+        assert not writer.is_alive(), "logging hung on the full disk"
+        assert failure and failure[0].errno == errno.ENOSPC
+        assert failure[0].filename == str(disk / "metrics.jsonl") or failure[0].filename.startswith(str(disk / "tb"))
+        log.close()  # the failure was raised once; closing only warns
+        assert [r["step"] for r in read_metrics(disk)] == list(range(1, len(read_metrics(disk)) + 1))
 
 
 # --- SIGKILL inside checkpoint writes ----------------------------------------------------------------------

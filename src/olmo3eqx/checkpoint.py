@@ -169,7 +169,8 @@ def directory_bytes(path: Path) -> int:
 class QuietStorageFailures(logging.Filter):
     """orbax reports one failed write many times over: an error log with a traceback from each thread it passed
     through, a "Event loop is closed" traceback from each tensorstore callback into the event loop orbax has closed
-    (dozens), and at exit one from each write coroutine left pending. Checkpointer raises the failure once, as a
+    (dozens), asyncio's "exception was never retrieved" for each write future, and at exit one from each write
+    coroutine left pending. Checkpointer raises the failure once, as a
     StorageError; this drops those echoes and nothing else (orbax's other logs, other unraisable exceptions)."""
 
     def __init__(self):
@@ -178,7 +179,8 @@ class QuietStorageFailures(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         failure = record.exc_info[1] if record.exc_info else None
-        return not (record.pathname.startswith(self.orbax_dir) and record.levelno >= logging.ERROR and
+        echo = record.pathname.startswith(self.orbax_dir) or record.name == "asyncio"  # "exception never retrieved"
+        return not (echo and record.levelno >= logging.ERROR and
                     (storage_errno(failure) is not None or TENSORSTORE_ERRNO.search(record.getMessage())))
 
     def unraisable(self, u) -> None:
@@ -191,6 +193,7 @@ class QuietStorageFailures(logging.Filter):
         absl_logger = logging.getLogger("absl")  # orbax logs through absl's logger
         if not any(isinstance(f, QuietStorageFailures) for f in absl_logger.filters):
             absl_logger.addFilter(self)
+            logging.getLogger("asyncio").addFilter(self)
             self.previous_hook = sys.unraisablehook
             sys.unraisablehook = self.unraisable
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import time
 import warnings
@@ -154,14 +156,56 @@ def open_append(path: Path):
     return open(path, "ab", buffering=0)
 
 
-def append_line(file, text: str) -> None:
-    """Write `text` and a newline to a file from `open_append`; an OSError (a full disk) names the file."""
-    data = (text + "\n").encode()
+def write_all(file, data: bytes) -> None:
+    """Write all of `data` to an unbuffered file (a write may take part of it); an OSError (a full disk) names the
+    file."""
     try:
         while data:
             data = data[file.write(data):]
     except OSError as e:
         raise OSError(e.errno, e.strerror, file.name) from None
+
+
+def append_line(file, text: str) -> None:
+    """Write `text` and a newline to a file from `open_append`."""
+    write_all(file, (text + "\n").encode())
+
+
+class TensorBoardEvents:
+    """A TensorBoard event file (TFRecord frames of tensorboardX's Event protos) written in the caller's thread, one
+    unbuffered write per event. tensorboardX's SummaryWriter writes from a thread of its own: on a full disk that
+    thread dies with a traceback and its bounded queue then blocks the training loop forever; here the write raises
+    OSError in the loop (train.py reports it as one sentence), and closing writes nothing."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.proto import event_pb2
+
+        self.event = event_pb2.Event
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._file = open(logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}", "ab",
+                          buffering=0)
+        self._write(self.event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("Q", len(data))
+        write_all(self._file, header + struct.pack("I", masked_crc32c(header)) + data +
+                  struct.pack("I", masked_crc32c(data)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.summary import scalar
+
+        self._write(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+
+    def text(self, tag: str, text: str) -> None:
+        from tensorboardX.summary import text as text_summary
+
+        self._write(self.event(wall_time=time.time(), step=0, summary=text_summary(tag, text)))
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class IndexLog:
@@ -236,11 +280,9 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open_append(run_dir / METRICS_FILE)
         if cfg.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / TB_DIR))
+            self._tb = TensorBoardEvents(run_dir / TB_DIR)
             if config_dict is not None:
-                self._tb.add_text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
+                self._tb.text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
         if cfg.wandb:
             try:
                 import wandb
@@ -260,7 +302,7 @@ class MetricsLogger:
         append_line(self._file, json.dumps(record, allow_nan=False))
         if self._tb is not None:
             for k, v in values.items():
-                self._tb.add_scalar(k, v, int(step))
+                self._tb.scalar(k, v, int(step))
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
         if self._progress:
