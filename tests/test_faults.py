@@ -275,6 +275,32 @@ def test_train_on_a_full_disk_stops_with_one_sentence_and_resumes_bit_identicall
         assert replayed[r["step"]] == r["train/loss"], f"step {r['step']}"
 
 
+@pytest.mark.slow
+def test_every_process_of_a_multiprocess_trainer_stops_on_a_full_disk(tmp_path, shared):
+    """2 processes writing their shards to one full disk: each stops with the sentence and exit 74, promptly (not
+    after orbax's 300 s barrier timeout), none with a traceback."""
+    from test_multihost import finish, launch
+
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.sharding import build_layout
+
+    cfg = write_config(tmp_path / "e2e.yaml", FULL_DISK_CONFIG, shared)
+    size = tree_bytes(build_layout(load_yaml(cfg)).state_target())
+    disk = tmp_path / "disk"
+    with tmpfs(disk, int(1.2 * size) + (1 << 18)) as resize:
+        if resize is None:
+            pytest.skip("mounting a tmpfs is not permitted here")
+        started = time.time()
+        results = finish(launch(cfg, disk, 2, "--steps", "18"), timeout=600)
+        assert time.time() - started < 300
+        assert [rc for rc, _ in results] == [exits.STORAGE] * 2, [err[-2000:] for _, err in results]
+        for _, err in results:
+            assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
+            errors = error_lines(err)
+            assert len(errors) == 1 and f"the last intact checkpoint is {disk / 'e2e' / 'checkpoints' / '6'}" in \
+                errors[0], err[-3000:]
+
+
 def test_a_full_disk_under_the_metrics_sinks_raises_instead_of_hanging(tmp_path):
     """metrics.jsonl and TensorBoard on a disk that fills up: an OSError naming the file (train.py turns it into a
     StorageError), not tensorboardX's writer thread dying and its full queue blocking the loop forever."""
