@@ -360,27 +360,40 @@ def torn_steps(ckpt: Path) -> list[str]:
 class Kill:
     step: int  # the checkpoint being written
     delay_ms: float  # after its tmp directory appeared
-    inside: bool  # its tmp directory was still there when the process died
+    inside: bool  # the process died before that checkpoint committed
     committed: list[int]  # after the kill
     resumed_from_at_launch: int | None  # the step the killed launch itself had resumed from
     resumed_from: int | None = None  # the step the relaunch after this kill resumed from
 
 
+def write_of(ckpt: Path, step: int) -> tuple[int, int] | None:
+    """The identity (inode, mtime) of checkpoint `step`'s tmp directory, None when there is none: a new write's
+    directory differs from the torn one an earlier kill left (which its relaunch removes first)."""
+    for name in torn_steps(ckpt):
+        if name.startswith(f"{step}{TORN}"):
+            with contextlib.suppress(FileNotFoundError):
+                st = (ckpt / name).stat()
+                return st.st_ino, st.st_mtime_ns
+    return None
+
+
 def kill_inside_write(cmd: list[str], env: dict, ckpt: Path, step: int, delay_s: float) -> Kill:
-    """Launch `cmd`, SIGKILL it `delay_s` after checkpoint `step`'s tmp directory appears."""
+    """Launch `cmd`, SIGKILL it `delay_s` after its write of checkpoint `step` starts (a tmp directory appears that
+    is not one an earlier kill left)."""
+    left = write_of(ckpt, step)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
-    while not any(name.startswith(f"{step}{TORN}") for name in torn_steps(ckpt)):
+    while write_of(ckpt, step) in (None, left):
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             raise AssertionError(f"no write of checkpoint {step} seen (exit {proc.returncode}): "
                                  f"{proc.stderr.read()[-3000:]}")
         time.sleep(0.001)
     time.sleep(delay_s)
-    inside = any(name.startswith(f"{step}{TORN}") for name in torn_steps(ckpt))
     proc.send_signal(signal.SIGKILL)
     _, err = proc.communicate()
-    return Kill(step, 1000 * delay_s, inside, committed(ckpt), resumed_step(err))
+    after = committed(ckpt)
+    return Kill(step, 1000 * delay_s, step not in after, after, resumed_step(err))
 
 
 def resumed_step(stderr: str) -> int | None:
@@ -511,10 +524,17 @@ def test_a_torn_last_line_is_dropped_before_appending(tmp_path):
     assert [json.loads(line)["step"] for line in index.read_text().splitlines()] == [1, 2]
 
 
+def half_written(path: Path) -> bool:
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        return end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"
+
+
 @pytest.mark.slow
 def test_sigkill_inside_metrics_appends(tmp_path):
-    """Kill a process appending 8 MiB lines at random moments: whatever the kill leaves, read_metrics and compare
-    read it, and the next logger appends after the last whole line."""
+    """Kill a process appending 8 MiB lines at random moments, each the instant a line is seen half written:
+    whatever the kill leaves, read_metrics and compare read it, and the next logger appends after the last whole
+    line."""
     from olmo3eqx.tools.compare import series
 
     rng = random.Random(22)
@@ -523,7 +543,10 @@ def test_sigkill_inside_metrics_appends(tmp_path):
         run_dir = tmp_path / f"run{trial}"
         proc = subprocess.Popen([sys.executable, "-c", APPENDER, str(run_dir)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "appending"
-        time.sleep(rng.uniform(0.05, 1.0))
+        time.sleep(rng.uniform(0, 0.5))
+        deadline = time.time() + 5
+        while time.time() < deadline and not half_written(run_dir / "metrics.jsonl"):
+            pass
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         data = (run_dir / "metrics.jsonl").read_bytes()
