@@ -30,6 +30,13 @@ def test_preemption_relaunches_at_once(tmp_path):
     assert launches(tmp_path) == 3 and sleeps == []
 
 
+def test_a_failed_write_is_relaunched_after_the_backoff_not_at_once(tmp_path, capsys):
+    sleeps = []
+    assert run_until_done(scripted(tmp_path, [74]), backoff_s=7, sleep=sleeps.append) == 0
+    assert launches(tmp_path) == 2 and sleeps == [7]
+    assert "a write to the run directory failed (exit code 74); relaunching in 7 s" in capsys.readouterr().err
+
+
 def test_unfixable_exits_are_not_retried(tmp_path):
     for code in (2, 3):
         (tmp_path / "launches").unlink(missing_ok=True)

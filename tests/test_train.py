@@ -321,4 +321,5 @@ def test_until_done_relaunches_a_killed_run_to_the_end(setup, reference):
     _, err = sup.communicate(timeout=300)
     assert sup.returncode == 0, err[-3000:]
     assert "relaunching" in err and "launch 2" in err and "run finished" in err
+    assert "taking over the lock" in err  # the killed child's run-directory lock, taken by its relaunch
     assert_same_run(run_dir, reference)

@@ -9,11 +9,21 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
 Readers that need part of a state (the model for evaluation or conversion, model and moments for `init_from`)
 restore just those top-level parts (`restore_parts`); nothing else is read.
+
+A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
+background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
+the checkpoints committed before it stay intact (orbax deletes old steps only after a new one commits).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
+import os
+import re
+import shutil
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -166,29 +176,179 @@ class CheckpointLoadError(RuntimeError):
     """Every checkpoint in a run directory failed to load: never start from scratch over them."""
 
 
+class StorageError(RuntimeError):
+    """A write to the run's storage failed (disk full, quota, I/O error), or its free space cannot hold the next
+    checkpoint: the run stops with exits.STORAGE; the committed checkpoints are intact."""
+
+
+TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+"""How tensorstore's errors (which orbax raises as ValueError) carry the OS error of a failed write."""
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+"""OS errors that are the storage's fault (not a missing or unreadable input) when any write of a run fails."""
+TORN = ".orbax-checkpoint-tmp"
+"""The suffix of a step orbax had not committed when it stopped; rewriting that step replaces it."""
+
+
+def storage_errno(e: BaseException | None) -> int | None:
+    """The OS error number of a storage failure (an OSError, or a tensorstore error anywhere on the cause chain);
+    None when `e` is not one (a bug is not the disk's fault and keeps its traceback)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        found = TENSORSTORE_ERRNO.search(str(e))
+        if found:
+            return int(found.group(1))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a tree's arrays (concrete or ShapeDtypeStructs): what a checkpoint of it writes, uncompressed."""
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def format_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class QuietStorageFailures(logging.Filter):
+    """orbax reports one failed write many times over: an error log with a traceback from each thread it passed
+    through, a "Event loop is closed" traceback from each tensorstore callback into the event loop orbax has closed
+    (dozens), asyncio's "exception was never retrieved" for each write future, and at exit one from each write
+    coroutine left pending. Checkpointer raises the failure once, as a
+    StorageError; this drops those echoes and nothing else (orbax's other logs, other unraisable exceptions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.orbax_dir = os.path.dirname(ocp.__file__)  # kept here: at exit, module globals may be gone
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        echo = record.pathname.startswith(self.orbax_dir) or record.name == "asyncio"  # "exception never retrieved"
+        return not (echo and record.levelno >= logging.ERROR and
+                    (storage_errno(failure) is not None or TENSORSTORE_ERRNO.search(record.getMessage())))
+
+    def unraisable(self, u) -> None:
+        loop_closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        code = getattr(u.object, "cr_code", None)
+        if not (loop_closed or (code is not None and code.co_filename.startswith(self.orbax_dir))):
+            self.previous_hook(u)
+
+    def install(self) -> None:
+        absl_logger = logging.getLogger("absl")  # orbax logs through absl's logger
+        if not any(isinstance(f, QuietStorageFailures) for f in absl_logger.filters):
+            absl_logger.addFilter(self)
+            logging.getLogger("asyncio").addFilter(self)
+            self.previous_hook = sys.unraisablehook
+            sys.unraisablehook = self.unraisable
+
+
 class Checkpointer:
     """Composite checkpoints of a train state: `state` (the TrainState's arrays, one tree), `data` (the iterator
     state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the state after N updates and a
-    data state that has consumed exactly N global batches."""
+    data state that has consumed exactly N global batches.
+
+    Saves run in orbax's background thread (with async_save): a failure there surfaces at `poll()` (the loop calls
+    it every step, so a run on a full disk stops at the step after the failed write, not at the next save), `save`,
+    `wait` or `close`, always as StorageError when the storage is to blame."""
 
     def __init__(self, directory: str | Path, *, keep: int, keep_every: int = 0, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self.keep = keep
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, enable_async_checkpointing=async_save,
             create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=TRAIN_ITEMS)
+        QuietStorageFailures().install()
+        self.checkpoint_bytes: int | None = None
+        """A checkpoint's size (check_space sets it), for the failure sentence."""
+        self._writing: int | None = None  # the step of a save whose background write may not have ended
+        self._failed = False
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def intact_steps(self) -> list[int]:
+        """Committed steps, read from disk: after a failed save, orbax's own list has already dropped the steps it
+        would have deleted had the save succeeded."""
+        return sorted(int(p.name) for p in self.directory.iterdir()
+                      if p.name.isdigit() and (p / "commit_success.txt").is_file())
+
+    def free_bytes(self) -> int:
+        """Free space for checkpoints: the file system's, plus what torn steps hold (their rewrite replaces them)."""
+        torn = sum(directory_bytes(p) for p in self.directory.iterdir() if TORN in p.name)
+        return shutil.disk_usage(self.directory).free + torn
+
+    def check_space(self, state_bytes: int, warn) -> None:
+        """Before the first save: StorageError when the free space cannot hold one more checkpoint (training on
+        would end in a failed save), a warning when it cannot hold the checkpoint.keep + 1 that are on disk at once
+        (orbax deletes the oldest only after the newest commits). A checkpoint's size is the newest one's on disk,
+        else `state_bytes` (an upper bound: orbax compresses trained float32 weights by ~10%)."""
+        intact = self.intact_steps()
+        size = directory_bytes(self.directory / str(intact[-1])) if intact else state_bytes
+        self.checkpoint_bytes = size
+        free, at_peak = self.free_bytes(), max(1, self.keep + 1 - len(intact))
+        if free < size:
+            raise self.storage_error(f"{self.directory} has {format_bytes(free)} free, less than the "
+                                     f"{format_bytes(size)} the next checkpoint needs")
+        if free < at_peak * size:
+            warn(f"warning: a checkpoint takes about {format_bytes(size)} and {at_peak} more will be on disk at "
+                 f"once (checkpoint.keep {self.keep} plus the one being written), but {self.directory} has "
+                 f"{format_bytes(free)} free: room for {free // size}. Free space or lower checkpoint.keep before a "
+                 f"save fails.")
+
+    def storage_error(self, what: str, code: int = errno.ENOSPC) -> StorageError:
+        """`what` went wrong (error number `code`), as the one sentence a user acts on."""
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there (or lower checkpoint.keep, or move run.dir to a larger disk)"
+        else:
+            fix = "check the storage"
+        intact = self.intact_steps()
+        last = (f"the last intact checkpoint is {self.directory / str(intact[-1])}: {fix} and relaunch to resume "
+                f"from it" if intact else f"no checkpoint of this run is intact yet: {fix} and relaunch")
+        return StorageError(f"{what}; {last}.")
+
+    def _translate(self, action, step: int | None) -> None:
+        try:
+            action()
+        except Exception as e:
+            code = storage_errno(e)
+            if code is None:
+                raise
+            self._failed, self._writing = True, None
+            need = (f"; a checkpoint needs about {format_bytes(self.checkpoint_bytes)}"
+                    if self.checkpoint_bytes is not None else "")
+            raise self.storage_error(
+                f"Checkpoint {step} could not be written to {self.directory} ({os.strerror(code)}){need} and "
+                f"{format_bytes(shutil.disk_usage(self.directory).free)} is free", code) from None
+
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
+        self.wait()  # orbax's save would wait for the previous background write anyway, and raise its failure
+        self._translate(lambda: self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
             data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config)), force=True)
+            config=ocp.args.JsonSave(config)), force=True), step)
+        self._writing = step
+
+    def poll(self) -> None:
+        """StorageError if the background write has ended in failure; returns at once while it runs."""
+        if self._writing is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the background write has ended; StorageError if it failed."""
+        self._translate(self.manager.wait_until_finished, self._writing)
+        self._writing = None
 
     def read_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
@@ -241,7 +401,9 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for the background write (StorageError if it fails) and close; after a failure, only close."""
+        if not self._failed:
+            self.wait()
         self.manager.close()
 
 

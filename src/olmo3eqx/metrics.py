@@ -5,13 +5,18 @@ Whether this process logs is the caller's decision (`enabled`, normally `jax.pro
 metrics (`train/loss`, `perf/mfu`, `eval/<set>/loss`). Values are plain ints and floats; a non-finite
 float (NaN, +-inf) is written as `null`, which keeps every line valid JSON and reads back as NaN in
 `read_metrics` and pandas. A resumed run appends; old lines stay (steps logged after the last checkpoint
-of the interrupted run then appear twice, the later line being the resumed run's).
+of the interrupted run then appear twice, the later line being the resumed run's). A process killed inside a write,
+or a disk that filled up mid-line, leaves a torn last line: `read_metrics` skips it and the next run's logger drops
+it before appending.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import struct
 import sys
 import time
 import warnings
@@ -119,6 +124,90 @@ class ThroughputMeter:
         return out
 
 
+TAIL_CHUNK = 1 << 16
+"""Bytes read at a time from a file's end when looking for its last newline."""
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Truncate `path` after its last newline (a torn last line: the writer was killed, or the disk filled, in it)."""
+    with open(path, "r+b") as f:
+        pos = f.seek(0, os.SEEK_END)
+        if pos == 0:
+            return
+        f.seek(pos - 1)
+        if f.read(1) == b"\n":
+            return
+        while pos > 0:
+            start = max(0, pos - TAIL_CHUNK)
+            f.seek(start)
+            newline = f.read(pos - start).rfind(b"\n")
+            if newline >= 0:
+                f.truncate(start + newline + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+def open_append(path: Path):
+    """`path` opened to append lines, unbuffered (a line is on disk, or its write raised, when `append_line`
+    returns; closing never writes), its torn last line dropped first so the next line starts a line of its own."""
+    if path.is_file():
+        drop_torn_tail(path)
+    return open(path, "ab", buffering=0)
+
+
+def write_all(file, data: bytes) -> None:
+    """Write all of `data` to an unbuffered file (a write may take part of it); an OSError (a full disk) names the
+    file."""
+    try:
+        while data:
+            data = data[file.write(data):]
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, file.name) from None
+
+
+def append_line(file, text: str) -> None:
+    """Write `text` and a newline to a file from `open_append`."""
+    write_all(file, (text + "\n").encode())
+
+
+class TensorBoardEvents:
+    """A TensorBoard event file (TFRecord frames of tensorboardX's Event protos) written in the caller's thread, one
+    unbuffered write per event. tensorboardX's SummaryWriter writes from a thread of its own: on a full disk that
+    thread dies with a traceback and its bounded queue then blocks the training loop forever; here the write raises
+    OSError in the loop (train.py reports it as one sentence), and closing writes nothing."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX.proto import event_pb2
+
+        self.event = event_pb2.Event
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._file = open(logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}", "ab",
+                          buffering=0)
+        self._write(self.event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("Q", len(data))
+        write_all(self._file, header + struct.pack("I", masked_crc32c(header)) + data +
+                  struct.pack("I", masked_crc32c(data)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.summary import scalar
+
+        self._write(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
+
+    def text(self, tag: str, text: str) -> None:
+        from tensorboardX.summary import text as text_summary
+
+        self._write(self.event(wall_time=time.time(), step=0, summary=text_summary(tag, text)))
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class IndexLog:
     """With `enabled`, appends {"step", "index"} (the global instance ids of each step's batch) to
     run_dir/indices/process_<i>.jsonl, one line per step, across resumes like metrics.jsonl; a no-op otherwise."""
@@ -127,11 +216,11 @@ class IndexLog:
         self._file = None
         if enabled:
             (Path(run_dir) / "indices").mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(run_dir) / "indices" / f"process_{process_index}.jsonl", "a", buffering=1)
+            self._file = open_append(Path(run_dir) / "indices" / f"process_{process_index}.jsonl")
 
     def write(self, step: int, index: np.ndarray) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"step": step, "index": index.tolist()}) + "\n")
+            append_line(self._file, json.dumps({"step": step, "index": index.tolist()}))
 
     def close(self) -> None:
         if self._file is not None:
@@ -189,19 +278,11 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / METRICS_FILE
-        if path.is_file():  # a run killed mid-write leaves half a line: drop it before appending
-            data = path.read_bytes()
-            if data and not data.endswith(b"\n"):
-                with open(path, "r+b") as f:
-                    f.truncate(data.rfind(b"\n") + 1)
-        self._file = open(path, "a")
+        self._file = open_append(run_dir / METRICS_FILE)
         if cfg.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / TB_DIR))
+            self._tb = TensorBoardEvents(run_dir / TB_DIR)
             if config_dict is not None:
-                self._tb.add_text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
+                self._tb.text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
         if cfg.wandb:
             try:
                 import wandb
@@ -218,11 +299,10 @@ class MetricsLogger:
             return
         values = {k: to_python(v) for k, v in _flatten(metrics).items()}
         record = {"step": int(step), "time": time.time(), **{k: _json_value(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        append_line(self._file, json.dumps(record, allow_nan=False))
         if self._tb is not None:
             for k, v in values.items():
-                self._tb.add_scalar(k, v, int(step))
+                self._tb.scalar(k, v, int(step))
         if self._wandb is not None:
             self._wandb.log(values, step=int(step))
         if self._progress:

@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
                               backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
     from olmo3eqx import distributed
-    from olmo3eqx.checkpoint import CheckpointLoadError
+    from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
     from olmo3eqx.config import ConfigError
     from olmo3eqx.data import DataError
+    from olmo3eqx.runlock import RunLocked
 
     try:
         distributed.initialize(cfg.dist)
@@ -103,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(cfg)
             return exits.OK
         return train(cfg)
-    except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError, RunLocked) as e:
         # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
         print(f"error{process_tag()}: {e}", file=sys.stderr)
         return exits.BAD_INPUT
+    except StorageError as e:
+        print(f"error{process_tag()}: {e}", file=sys.stderr)
+        return exits.STORAGE
     except BaseException:
         tag = process_tag()
         if tag:  # which process failed, for logs interleaved from many hosts
@@ -213,11 +217,22 @@ class NonFiniteLoss(Exception):
 
 
 def train(cfg: TrainConfig) -> int:
-    """Run (or resume) the training `cfg` describes; returns the process exit code."""
+    """Run (or resume) the training `cfg` describes, holding the run directory's lock (olmo3eqx/runlock.py, taken
+    before anything is written to it); returns the process exit code."""
+    import jax
+
+    from olmo3eqx.runlock import lock_run
+
+    warn = (lambda m: print(m, file=sys.stderr, flush=True)) if jax.process_index() == 0 else (lambda m: None)
+    with lock_run(cfg.run_dir, process_index=jax.process_index(), process_count=jax.process_count(), warn=warn):
+        return train_locked(cfg)
+
+
+def train_locked(cfg: TrainConfig) -> int:
     import jax
 
     from olmo3eqx import distributed, flops, metrics
-    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
     from olmo3eqx.config import dump_yaml, to_dict
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
@@ -240,6 +255,7 @@ def train(cfg: TrainConfig) -> int:
         if start >= cfg.steps:
             log.print(f"checkpoint step {start} already reaches steps={cfg.steps}: nothing to do.")
             return exits.OK
+        checkpointer.check_space(tree_bytes(layout.state_target()), warn=log.print)
         data = train_data(cfg, start, data_state)
         evaluator = loop_evaluator(cfg, layout, log)  # held-out sets and task files checked before step 1
         train_step = make_train_step(cfg, layout)
@@ -253,6 +269,7 @@ def train(cfg: TrainConfig) -> int:
             evaluator.run(0, state.model)  # the start of the held-out curves
         with Preemption(jax.process_count() > 1) as preemption:
             for step in range(start + 1, cfg.steps + 1):
+                checkpointer.poll()  # a background write that failed stops the run now, not at the next save
                 batch = next(data)
                 index_log.write(step, batch["index"])
                 state, step_metrics = train_step(state, *layout.put_batch(batch))
@@ -267,6 +284,7 @@ def train(cfg: TrainConfig) -> int:
                 if save_due:
                     checkpointer.save(step, state, data.get_state(), config_dict)
                 if stop is not None:
+                    checkpointer.wait()
                     log.print(f"{stop} received: checkpoint {step} written; exiting to be resumed.")
                     return exits.PREEMPTED
             report(queue.flush())
@@ -277,10 +295,14 @@ def train(cfg: TrainConfig) -> int:
                   f"{checkpointer.directory / str(kept[-1]) if kept else 'none'}: lower optim.lr, enable "
                   f"optim.spike_guard, or inspect the data around batch {e.step - 1}.")
         return exits.NONFINITE
+    except OSError as e:  # metrics.jsonl, indices: the disk that fills under a save fills under these too
+        if storage_errno(e) not in STORAGE_ERRNOS:
+            raise
+        raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
         index_log.close()
-        checkpointer.close()
         log.close()
+        checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
 
 
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):
