@@ -22,7 +22,7 @@ from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, ModelConfig
 from olmo3eqx.data.heldout import heldout_instances, heldout_sets
 from olmo3eqx.loss import loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
-from olmo3eqx.sharding import batch_sharding, data_parallel_size
+from olmo3eqx.sharding import batch_sharding, data_parallel_size, on_mesh
 from olmo3eqx.tasks import Task, Tokenizer, request_batches, task_files, task_metrics
 
 
@@ -51,8 +51,8 @@ class ShardedScorer:
                               f"data-parallel devices and of the {jax.process_count()} processes.")
         self.mesh, self.batch_size = mesh, batch_size
         bsh, rep = batch_sharding(mesh, 2), NamedSharding(mesh, P())
-        self._heldout = jax.jit(heldout_sums, in_shardings=(model_shardings, bsh, bsh), out_shardings=(rep, rep))
-        self._score = jax.jit(continuation_scores, in_shardings=(model_shardings, bsh, bsh, bsh),
+        self._heldout = jax.jit(on_mesh(mesh, heldout_sums), in_shardings=(model_shardings, bsh, bsh), out_shardings=(rep, rep))
+        self._score = jax.jit(on_mesh(mesh, continuation_scores), in_shardings=(model_shardings, bsh, bsh, bsh),
                               out_shardings=(rep, rep))
 
     def _put_rows(self, x: np.ndarray) -> jax.Array:
