@@ -308,9 +308,27 @@ class LogConfig:
     """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
     indices: bool = False
     """Every process appends the global instance ids of each step's batch to run_dir/indices/process_<i>.jsonl."""
+    profile_steps: str = ""
+    """'A:B': write a jax.profiler trace of train steps A..B (1-based, inclusive) to run_dir/profile/; empty: none."""
 
     def __post_init__(self):
         check_signs(self, "log", positive=("every",))
+        self.profile_range  # noqa: B018 - validates profile_steps
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """profile_steps as (A, B), None when empty."""
+        if not self.profile_steps:
+            return None
+        first, sep, last = self.profile_steps.partition(":")
+        try:
+            steps = (int(first), int(last)) if sep else None
+        except ValueError:
+            steps = None
+        if steps is None or not 1 <= steps[0] <= steps[1]:
+            raise ConfigError(f"log.profile_steps must be 'A:B' with 1 <= A <= B (the steps to trace, inclusive), "
+                              f"got {self.profile_steps!r}.")
+        return steps
 
 
 @dataclass(frozen=True)
