@@ -1,5 +1,5 @@
 """Causal attention backends behind one call, each checked against `jax.nn.dot_product_attention` and a numpy
-reference in tests/test_attention.py.
+reference in tests/test_attention.py (splash: tests/test_splash.py).
 
 Window semantics for every backend: a sliding layer with window W lets query i see keys j with
 i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window`); a global layer is causal.
