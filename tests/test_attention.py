@@ -121,10 +121,13 @@ def test_leading_batch_axes_equal_vmap(impl):
 
 
 def test_backend_names():
-    assert resolve("auto") == ("cudnn" if jax.default_backend() == "gpu" else "blocked")
-    assert "blocked" in IMPLEMENTATIONS and "xla" in IMPLEMENTATIONS and "cudnn" in IMPLEMENTATIONS
+    on_gpu = jax.default_backend() == "gpu"
+    assert resolve("auto", jnp.bfloat16) == ("cudnn" if on_gpu else "blocked")
+    assert resolve("auto", jnp.float32) == "blocked"  # cuDNN has no float32 flash attention
+    assert resolve("splash", jnp.float32) == "splash"
+    assert {"blocked", "xla", "cudnn", "splash"} <= set(IMPLEMENTATIONS)
     with pytest.raises(ValueError, match="attention_impl"):
-        resolve("flash")
+        resolve("flash", jnp.float32)
 
 
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -26,19 +27,29 @@ def test_gpu_script_runs_every_variant_at_tiny_size(gpu_module, tmp_path, capsys
     out = tmp_path / "gpu.json"
     assert gpu_module.main(["--tiny", "--steps", "1", "--repeats", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    names = [name for name, *_ in gpu_module.variants(tiny=True)]
-    assert len(names) == 6 and all(name in table for name in names)
-    assert "failed" not in table and "skipped" not in table
+    variants = gpu_module.variants(tiny=True)
+    names = [name for name, *_ in variants]
+    # tiny, 1b and 7b-2l; the 1b and 7b-2l at both head shapes; each with cudnn and blocked attention
+    assert len(names) == 10 and all(name in table for name in names)
+    assert "failed" not in table and "time budget" not in table
     results = json.loads(out.read_text())["results"]
     assert set(results) == set(names)
-    for r in results.values():
-        assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["compile_s"] > 0
-        assert 0 < r["loss"] < 20
-    # The head variants keep parameters and FLOPs identical, as in the 7B recipe's 32x128 vs 16x256.
-    by = {n: r for n, r in results.items()}
-    narrow, wide = (by[n] for n in names[:2])
-    assert narrow["model"]["num_attention_heads"] == 2 * wide["model"]["num_attention_heads"]
-    assert narrow["flops_per_token"] == pytest.approx(wide["flops_per_token"])
+    on_gpu = jax.default_backend() == "gpu"
+    for name, model, seq, batch in variants:
+        r = results[name]
+        if model.attention_impl == "cudnn" and not on_gpu:
+            assert "cuDNN needs a GPU" in r["skipped"]
+            continue
+        assert r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["compile_s"] > 0 and r["compiled_bytes"] > 0
+        assert 0 < r["loss"] < 20 and r["model"]["compute_dtype"] == "bfloat16"
+    # The head shapes keep parameters and FLOPs identical, as in the 7B recipe's 32x128 vs 16x256.
+    for tag in ("1b", "7b-2l"):
+        (narrow, m1, *_), (wide, m2, *_) = [v for v in variants if v[0].startswith(tag) and v[0].endswith("blocked")]
+        assert m1.num_attention_heads == 2 * m2.num_attention_heads and m2.head_dim == 2 * m1.head_dim
+        assert results[narrow]["params"] == results[wide]["params"]
+        assert results[narrow]["flops_per_token"] == pytest.approx(results[wide]["flops_per_token"])
+    seven = next(m for name, m, *_ in variants if name.startswith("7b-2l"))
+    assert seven.resolved_layer_types == ("sliding_attention", "full_attention")
     assert "MFU" in table and sys.modules["gpu"] is gpu_module
 
 

@@ -1,5 +1,5 @@
 """Causal attention backends behind one call, each checked against `jax.nn.dot_product_attention` and a numpy
-reference in tests/test_attention.py.
+reference in tests/test_attention.py (splash: tests/test_splash.py).
 
 Window semantics for every backend: a sliding layer with window W lets query i see keys j with
 i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window`); a global layer is causal.
@@ -13,7 +13,16 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   Heads-major layout, so every matmul is a canonical batched matmul. It computes a fraction of the scores "xla"
   computes, so it is the faster one wherever the window is shorter than the sequence (bench/bench_attention.py
   times both; README "Performance"). The same algorithm accelerators want.
-- "auto": cudnn on GPU, blocked elsewhere.
+- "splash": Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the TPU flash kernel
+  that skips every all-masked [block_q, block_kv] block: a sliding layer is a LocalMask (W - 1, 0), a global layer
+  a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default
+  (SPLASH_BLOCKS). Under a mesh it runs per shard in a `shard_map` (batch over data x fsdp, heads over tensor),
+  since XLA cannot partition a Pallas kernel; on CPU the kernel runs in Pallas interpret mode (slow: for tests).
+- "auto": splash on TPU, cudnn on GPU for bf16/fp16 inputs (cuDNN has no float32 flash kernel), blocked elsewhere.
+
+Which platform a trace compiles for is read from the abstract mesh in context (`sharding.on_mesh`, as the train
+step and the evaluator trace), so an ahead-of-time compile for a TPU topology on a CPU host (olmo3eqx.aot) gets
+the TPU kernel; without a mesh in context it is the default backend.
 """
 
 from __future__ import annotations
@@ -24,45 +33,142 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from olmo3eqx.config import AttentionImpl
+from olmo3eqx.config import SPLASH_LANES, AttentionImpl
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
 """Query blocks of a global layer: block i attends to key blocks 0..i, so (n+1)/2n = 5/8 of T x T is computed."""
 MASKED = -0.7 * float(np.finfo(np.float32).max)
 """Score of a masked key: finite (a row is never all -inf, so no NaN) and far below any real score."""
+SPLASH_BLOCKS = (("tpu7", 2048),)
+"""Default splash block (query and key/value) per chip generation, by substring of the lower-cased device kind, as
+the MaxText reproduction of OLMo 3 found them: 2048 on TPU v7 (Ironwood); 2048 does not fit v5p's VMEM (the
+compiler's own error), so every other chip gets DEFAULT_SPLASH_BLOCK, MaxText's default."""
+DEFAULT_SPLASH_BLOCK = 512
+BATCH_AXES = ("data", "fsdp")
+"""The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
+LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
-def resolve(impl: str) -> str:
-    """The backend `impl` names on the current default backend ("auto" decided here)."""
+def target_device() -> tuple[str, str]:
+    """(platform, device kind) of the devices the traced program compiles for: the abstract mesh in context, else
+    the default backend's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    if device is None:
+        device = jax.devices()[0]
+    return device.platform, device.device_kind
+
+
+def resolve(impl: str, dtype) -> str:
+    """The backend `impl` names for inputs of `dtype` on the target platform ("auto" decided here)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
-    if impl == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "blocked"
-    return impl
+    if impl != "auto":
+        return impl
+    platform = target_device()[0]
+    if platform == "tpu":
+        return "splash"
+    if platform == "gpu" and jnp.dtype(dtype) in LOW_PRECISION:
+        return "cudnn"
+    return "blocked"
 
 
 def attention(
     q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
     v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None, impl: str = "auto",
+    block_q: int | None = None, block_kv: int | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """Causal attention; `window` is W keys including the query itself, None for a global layer. Query head h uses
     kv head h // (heads // kv_heads) (grouped-query attention). Leading batch axes are optional. Output in q's
-    dtype."""
-    backend = resolve(impl)
-    if backend != "blocked" and q.ndim > 4:
-        return jax.vmap(lambda a, b, c: attention(a, b, c, window=window, impl=impl))(q, k, v)
+    dtype. `block_q`/`block_kv` are splash's blocks (None: the chip's default); the other backends ignore them."""
+    backend = resolve(impl, q.dtype)
     seq = q.shape[-3]
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window)
+    if backend == "splash":
+        return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv)
+    if q.ndim > 4:
+        return jax.vmap(lambda a, b, c: attention(a, b, c, window=window, impl=backend))(q, k, v)
     # jax.nn's local_window_size=(L, R) allows i - L <= j <= i + R: W keys including self is (W - 1, 0).
     return jax.nn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0),
         implementation=None if backend == "xla" else backend)
+
+
+def splash_blocks(seq: int, block_q: int | None, block_kv: int | None) -> tuple[int, int, int]:
+    """(padded sequence, query block, key/value block): the configured blocks (else the chip's default), no longer
+    than the sequence rounded up to the lane width, and the sequence padded to a multiple of both."""
+    kind = target_device()[1].lower()
+    default = next((b for key, b in SPLASH_BLOCKS if key in kind), DEFAULT_SPLASH_BLOCK)
+    padded = -(-seq // SPLASH_LANES) * SPLASH_LANES
+    bq, bkv = (min(b or default, padded) for b in (block_q, block_kv))
+    step = math.lcm(bq, bkv)
+    return -(-padded // step) * step, bq, bkv
+
+
+def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, interpret: bool):
+    """The splash kernel for one example's [heads, seq, dim]. Built per trace: its mask information becomes arrays of
+    that trace (the numpy work behind them is cached by the Pallas package)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if window is None:
+        mask = sm.CausalMask((seq, seq))
+    else:  # LocalMask (left, right) allows i - left <= j <= i + right: W keys including the query is (W - 1, 0)
+        mask = sm.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
+    blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                              mask_value=MASKED, interpret=interpret)
+
+
+def splash_attention(
+    q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
+    v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None, block_q: int | None = None,
+    block_kv: int | None = None,
+) -> Float[Array, "*batch seq heads dim"]:
+    """The "splash" backend (see the module doc). The sequence is padded at the end to the blocks (padding is never
+    seen by a real query: causality); q is scaled by 1/sqrt(dim) before the kernel, which does not scale."""
+    *lead, seq, heads, dim = q.shape
+    padded, bq, bkv = splash_blocks(seq, block_q, block_kv)
+    if padded != seq:
+        pad = [(0, 0)] * len(lead) + [(0, padded - seq), (0, 0), (0, 0)]
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
+    interpret = target_device()[0] == "cpu"
+
+    def per_shard(q, k, v):
+        kernel = splash_kernel(padded, q.shape[-2], window, bq, bkv, interpret)
+        for _ in lead:
+            kernel = jax.vmap(kernel)
+        heads_major = [jnp.swapaxes(x, -3, -2) for x in (q, k, v)]  # [*b, T, H, D] -> the kernel's [*b, H, T, D]
+        return jnp.swapaxes(kernel(*heads_major), -3, -2)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        spec = shard_spec(mesh, q.shape, k.shape[-2])
+        per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    return per_shard(q, k, v)[..., :seq, :, :]
+
+
+def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:
+    """How splash's inputs [*batch, seq, heads, dim] are split under `mesh`: the first batch axis over the mesh's
+    data-parallel axes and the heads over `tensor`, where they divide; the rest is whole on every device."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    batch_axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    spec: list = [None] * len(shape)
+    if len(shape) > 3 and batch_axes and shape[0] % math.prod(sizes[a] for a in batch_axes) == 0:
+        spec[0] = batch_axes
+    tensor = sizes.get("tensor", 1)
+    if tensor > 1 and shape[-2] % tensor == 0 and kv_heads % tensor == 0:
+        spec[-2] = "tensor"
+    return P(*spec)
 
 
 def sliding_block(seq: int, window: int) -> int:

@@ -19,9 +19,11 @@ import yaml
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+SPLASH_LANES = 128
+"""Splash attention's blocks are multiples of the TPU vector lane width."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
-AttentionImpl = Literal["auto", "xla", "cudnn", "blocked"]
+AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "splash"]
 
 
 class ConfigError(ValueError):
@@ -136,8 +138,13 @@ class ModelConfig:
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: AttentionImpl = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
-    (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band);
-    auto picks cudnn on GPU, blocked elsewhere."""
+    (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band),
+    splash (Pallas splash attention: the TPU kernel, interpreted on CPU); auto picks splash on TPU, cudnn on GPU
+    (bf16/fp16), blocked elsewhere."""
+    attention_block_q: int | None = None
+    """splash: query block (a multiple of 128); None: the chip generation's default (attention.SPLASH_BLOCKS)."""
+    attention_block_kv: int | None = None
+    """splash: key/value block (a multiple of 128); None: the chip generation's default (attention.SPLASH_BLOCKS)."""
 
     def __post_init__(self):
         check_choices(self, "model")
@@ -150,6 +157,11 @@ class ModelConfig:
                 f"model.num_key_value_heads ({self.num_key_value_heads}).")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even for rotary embeddings, got {self.head_dim}.")
+        for name in ("attention_block_q", "attention_block_kv"):
+            block = getattr(self, name)
+            if block is not None and (block <= 0 or block % SPLASH_LANES):
+                raise ConfigError(f"model.{name} must be a positive multiple of {SPLASH_LANES} (the TPU's lane "
+                                  f"width), got {block}; leave it unset for the chip's default.")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ConfigError(
@@ -366,9 +378,27 @@ class LogConfig:
     """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
     indices: bool = False
     """Every process appends the global instance ids of each step's batch to run_dir/indices/process_<i>.jsonl."""
+    profile_steps: str = ""
+    """'A:B': write a jax.profiler trace of train steps A..B (1-based, inclusive) to run_dir/profile/; empty: none."""
 
     def __post_init__(self):
         check_signs(self, "log", positive=("every",))
+        self.profile_range  # noqa: B018 - validates profile_steps
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """profile_steps as (A, B), None when empty."""
+        if not self.profile_steps:
+            return None
+        first, sep, last = self.profile_steps.partition(":")
+        try:
+            steps = (int(first), int(last)) if sep else None
+        except ValueError:
+            steps = None
+        if steps is None or not 1 <= steps[0] <= steps[1]:
+            raise ConfigError(f"log.profile_steps must be 'A:B' with 1 <= A <= B (the steps to trace, inclusive), "
+                              f"got {self.profile_steps!r}.")
+        return steps
 
 
 @dataclass(frozen=True)

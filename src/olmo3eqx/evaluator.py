@@ -25,7 +25,7 @@ from olmo3eqx.data.heldout import open_heldout
 from olmo3eqx.loss import candidate_logprobs, loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
 from olmo3eqx.olmo_tasks import load_tasks
-from olmo3eqx.sharding import batch_sharding, data_parallel_size
+from olmo3eqx.sharding import batch_sharding, data_parallel_size, on_mesh
 from olmo3eqx.tasks import Task, Tokenizer, choice_batches, request_batches, task_metrics
 
 DOWNSTREAM = "eval/downstream"
@@ -57,10 +57,11 @@ class ShardedScorer:
                               f"data-parallel devices and of the {jax.process_count()} processes.")
         self.mesh, self.batch_size = mesh, batch_size
         b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), NamedSharding(mesh, P())
-        self._heldout = jax.jit(heldout_sums, in_shardings=(model_shardings, b2, b2), out_shardings=(rep, rep))
-        self._score = jax.jit(continuation_scores, in_shardings=(model_shardings, b2, b2, b2),
+        self._heldout = jax.jit(on_mesh(mesh, heldout_sums), in_shardings=(model_shardings, b2, b2),
+                                out_shardings=(rep, rep))
+        self._score = jax.jit(on_mesh(mesh, continuation_scores), in_shardings=(model_shardings, b2, b2, b2),
                               out_shardings=(rep, rep))
-        self._choices = jax.jit(candidate_logprobs, in_shardings=(model_shardings, b2, b1, b2), out_shardings=rep)
+        self._choices = jax.jit(on_mesh(mesh, candidate_logprobs), in_shardings=(model_shardings, b2, b1, b2), out_shardings=rep)
 
     def _put_rows(self, x: np.ndarray) -> jax.Array:
         """Global host rows -> a batch-sharded array; each process contributes its contiguous slice."""

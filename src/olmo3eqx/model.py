@@ -165,7 +165,8 @@ class Attention(eqx.Module):
         v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
         q, k = rope(q, table), rope(k, table)
         # A causal window of W keys including the query itself: i-(W-1) <= j <= i.
-        out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl)
+        out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
+                        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
         return self.o_proj(out.reshape(*lead, cfg.num_attention_heads * cfg.head_dim))
 
 

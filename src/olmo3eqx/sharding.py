@@ -10,6 +10,7 @@ optimizer, abstract train state and its shardings, which the loop, the dry run, 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -96,6 +97,19 @@ def partition_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
         if free:
             spec[free[0]] = "fsdp"
     return P(*spec)
+
+
+def on_mesh(mesh: Mesh, fn):
+    """`fn` traced with `mesh` as the abstract mesh in context: what it calls can then read the platform the program
+    compiles for and split work by hand over the mesh (the splash attention kernel, olmo3eqx.attention). Every
+    jitted function that runs the model is wrapped in it."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def tree_shardings(tree, mesh: Mesh):

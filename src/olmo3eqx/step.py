@@ -20,7 +20,7 @@ from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.model import cast_floating
-from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding
+from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding, on_mesh
 from olmo3eqx.state import TrainState
 
 
@@ -95,5 +95,5 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
         return TrainState(new_model, new_opt_state, step, spike), metrics
 
     bsh = batch_sharding(mesh, 2)
-    return jax.jit(train_step, in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),
+    return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),
                    out_shardings=(shardings, None), donate_argnums=0)

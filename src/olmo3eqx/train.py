@@ -15,7 +15,6 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +31,8 @@ USAGE = """Train OLMo 3 with olmo3eqx. YAML gives the defaults, flags override a
 Entry flags (before the others):
   --config PATH           YAML preset (default: configs/tiny.yaml)
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
+  --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
+                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu)
   --until-done            supervise: relaunch this command after a crash or preemption until it finishes
   --retry-backoff S       with --until-done: seconds to wait after a crash (default 300)
   --max-restarts N        with --until-done: give up after N relaunches (default 20)
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=str(DEFAULT_CONFIG))
     pre.add_argument("--simulated-devices", type=int, default=0)
+    pre.add_argument("--target", default=None)
     pre.add_argument("--until-done", action="store_true")
     pre.add_argument("--retry-backoff", type=float, default=300.0)
     pre.add_argument("--max-restarts", type=int, default=20)
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None):
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={opts.simulated_devices}")
+    if opts.target:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler is loaded for the topology; no TPU is used
     import tyro
 
     from olmo3eqx.config import ConfigError, TrainConfig, load_yaml
@@ -92,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
                               backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
+    if opts.target and not cfg.dry_run:
+        print(f"error: --target {opts.target} compiles for devices that are not here; add --dry-run.", file=sys.stderr)
+        return exits.BAD_INPUT
+    from olmo3eqx import jaxenv
+
+    host_note = jaxenv.prepare(os.environ)  # before anything imports jax
     from olmo3eqx import distributed
     from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
     from olmo3eqx.config import ConfigError
@@ -101,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         distributed.initialize(cfg.dist)
         if cfg.dry_run:
-            dry_run(cfg)
+            dry_run(cfg, opts.target)
             return exits.OK
-        return train(cfg)
+        return train(cfg, host_note)
     except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError, RunLocked) as e:
         # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
         print(f"error{process_tag()}: {e}", file=sys.stderr)
@@ -127,49 +137,57 @@ def process_tag() -> str:
         return ""
 
 
-def dry_run(cfg) -> None:
-    """Plan without building anything on devices: sizes, FLOPs, mesh, batch split, and the compiled step's
-    memory per device from an ahead-of-time lowering over abstract arrays."""
+def dry_run(cfg, target: str | None = None) -> None:
+    """Plan without building anything on devices: sizes, FLOPs, mesh, batch split, and the compiled step's memory
+    per device, FLOPs and compile time from an ahead-of-time compile over abstract arrays, for this host's devices
+    or (`target`) for a TPU topology (olmo3eqx.aot)."""
     import jax
     import yaml
 
-    from olmo3eqx import flops
+    from olmo3eqx import aot, flops
     from olmo3eqx.config import to_dict
     from olmo3eqx.sharding import build_layout
-    from olmo3eqx.step import make_train_step
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
     m, seq = cfg.model, cfg.data.seq_len
-    layout = build_layout(cfg)
+    devices = aot.topology_devices(target) if target else jax.devices()
+    layout = build_layout(cfg, devices)
     plan = layout.plan
     per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
+    attention_per_token = 3 * flops.attention_flops_per_token(m, seq)
     device_step_tokens = plan.per_device_batch * plan.accum_steps * seq
     print(f"parameters:            {flops.param_count(m):,}")
     print(f"train FLOPs/token:     {per_token:.4e} (sliding windows counted as windowed); "
           f"{per_token_all_global:.4e} (MaxText convention, all layers global)")
-    print(f"TFLOP per device-step: {per_token * device_step_tokens / 1e12:,.1f} windowed; "
-          f"{per_token_all_global * device_step_tokens / 1e12:,.1f} all-global "
+    print(f"TFLOP per device-step: {per_token * device_step_tokens / 1e12:,.4g} windowed, of which attention "
+          f"{attention_per_token * device_step_tokens / 1e12:,.4g}; "
+          f"{per_token_all_global * device_step_tokens / 1e12:,.4g} all-global "
           f"({plan.per_device_batch * plan.accum_steps} x {seq} tokens per device)")
-    print(f"devices:               {jax.device_count()} x {jax.devices()[0].device_kind} "
-          f"({jax.process_count()} process(es))")
+    where = f"topology {target}" if target else f"{jax.process_count()} process(es)"
+    print(f"devices:               {len(devices)} x {devices[0].device_kind} ({where})")
     print(f"mesh:                  {dict(layout.mesh.shape)}")
     print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
-    step_fn = make_train_step(cfg, layout)
-    t = time.perf_counter()
-    compiled = step_fn.lower(layout.state_target(), *layout.batch_target(seq)).compile()
-    compile_s = time.perf_counter() - t
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        state_bytes = mem.argument_size_in_bytes - mem.alias_size_in_bytes + mem.output_size_in_bytes
-        gib = 1024**3
-        print(f"compiled step memory per device: {(state_bytes + mem.temp_size_in_bytes) / gib:.2f} GiB "
-              f"(arguments {mem.argument_size_in_bytes / gib:.2f}, outputs {mem.output_size_in_bytes / gib:.2f}, "
-              f"aliased {mem.alias_size_in_bytes / gib:.2f}, temporaries {mem.temp_size_in_bytes / gib:.2f}); "
-              f"compiled in {compile_s:.1f} s")
-    else:
-        print(f"compiled in {compile_s:.1f} s (this backend reports no memory analysis)")
+    print(f"attention:             {attention_backend(cfg, layout)}")
+    print("\n".join(aot.compile_step(cfg, layout).lines()))
+
+
+def attention_backend(cfg, layout) -> str:
+    """The attention backend the compiled step uses on the layout's devices (model.attention_impl resolved)."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo3eqx.attention import resolve, splash_blocks
+    from olmo3eqx.model import DTYPE
+
+    m = cfg.model
+    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
+        backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]))
+        if backend != "splash":
+            return backend
+        _, bq, bkv = splash_blocks(cfg.data.seq_len, m.attention_block_q, m.attention_block_kv)
+    return f"splash, blocks {bq} x {bkv} (Pallas kernels count 0 in XLA's FLOPs)"
 
 
 class Preemption:
@@ -216,24 +234,26 @@ class NonFiniteLoss(Exception):
         self.step = step
 
 
-def train(cfg: TrainConfig) -> int:
+def train(cfg: TrainConfig, host_note: str | None = None) -> int:
     """Run (or resume) the training `cfg` describes, holding the run directory's lock (olmo3eqx/runlock.py, taken
-    before anything is written to it); returns the process exit code."""
+    before anything is written to it); returns the process exit code. `host_note` (jaxenv.prepare's line on
+    the XLA flags) goes into the log."""
     import jax
 
     from olmo3eqx.runlock import lock_run
 
     warn = (lambda m: print(m, file=sys.stderr, flush=True)) if jax.process_index() == 0 else (lambda m: None)
     with lock_run(cfg.run_dir, process_index=jax.process_index(), process_count=jax.process_count(), warn=warn):
-        return train_locked(cfg)
+        return train_locked(cfg, host_note)
 
 
-def train_locked(cfg: TrainConfig) -> int:
+def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
     import jax
 
     from olmo3eqx import distributed, flops, metrics
     from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
     from olmo3eqx.config import dump_yaml, to_dict
+    from olmo3eqx.profiling import StepProfiler
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
     from olmo3eqx.tools import hostmem
@@ -245,6 +265,8 @@ def train_locked(cfg: TrainConfig) -> int:
     log = metrics.MetricsLogger(cfg.run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
     log.print(distributed.describe())
     log.print(hostmem.describe())
+    if host_note:
+        log.print(host_note)
     layout = build_layout(cfg)
     log.print(layout.describe())
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -267,9 +289,11 @@ def train_locked(cfg: TrainConfig) -> int:
         config_dict = to_dict(cfg)
         if start == 0 and evaluator is not None:
             evaluator.run(0, state.model)  # the start of the held-out curves
-        with Preemption(jax.process_count() > 1) as preemption:
+        with Preemption(jax.process_count() > 1) as preemption, \
+                StepProfiler(cfg.log.profile_range, cfg.run_dir / "profile", log.print) as profile:
             for step in range(start + 1, cfg.steps + 1):
                 checkpointer.poll()  # a background write that failed stops the run now, not at the next save
+                profile(step, state)
                 batch = next(data)
                 index_log.write(step, batch["index"])
                 state, step_metrics = train_step(state, *layout.put_batch(batch))

@@ -1,0 +1,92 @@
+"""The plan the MaxText reproduction ran, as compiled facts: the OLMo 3 7B stage-1 train step (4 x 8192 tokens per
+device, global batch 512, splash attention) compiled ahead of time by XLA:TPU on this host for the 128-device slices
+(tpu7x:4x4x4, 64 Ironwood chips of two devices each; v5p:8x8x2, 128 chips), for each remat policy and both head
+shapes of the recipe (32 x 128 and 16 x 256: same parameters and FLOPs). Per compile: memory per device against the
+HBM (fits or not), XLA's FLOPs per device-step, the compile time. Needs libtpu (pip install -e ".[tpu]").
+
+    python bench/bench_tpu_memory.py [--topologies tpu7x:4x4x4,v5p:8x8x2] [--remat none,dots,dots_no_batch,full]
+                                     [--heads 32x128,16x256] [--json bench/results/tpu_memory.json]
+
+Each compile takes minutes on a 2-core host; results are merged into the JSON as they come, so a partial run keeps
+what it measured. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+if __name__ == "__main__":
+    common.clean_xla_flags()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from olmo3eqx import aot, flops
+from olmo3eqx.config import load_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(heads: str, remat: str):
+    base = load_yaml(REPO / "configs" / "olmo3-7b-stage1.yaml")
+    n, dim = (int(x) for x in heads.split("x"))
+    model = dataclasses.replace(base.model, num_attention_heads=n, num_key_value_heads=n, head_dim=dim, remat=remat)
+    return dataclasses.replace(base, model=model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--topologies", default="tpu7x:4x4x4,v5p:8x8x2")
+    ap.add_argument("--remat", default="none,dots,dots_no_batch,full")
+    ap.add_argument("--heads", default="32x128,16x256")
+    ap.add_argument("--config", default=None, help="a YAML preset instead of the 7B stage-1 (heads from --heads)")
+    ap.add_argument("--json", default=str(common.RESULTS / "tpu_memory.json"))
+    args = ap.parse_args(argv)
+    path = Path(args.json)
+    saved = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
+    for topology in args.topologies.split(","):
+        for heads in args.heads.split(","):
+            for remat in args.remat.split(","):
+                cfg = config(heads, remat)
+                if args.config:
+                    cfg = load_yaml(args.config)
+                    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+                start = time.perf_counter()
+                report = aot.compile_for(cfg, topology)
+                seq = cfg.data.seq_len
+                tokens = cfg.data.global_batch * seq / report.devices
+                saved[f"{topology}/{heads}/{remat}"] = {
+                    **dataclasses.asdict(report), "fits": report.fits, "wall_s": time.perf_counter() - start,
+                    "flops_py_per_device_step": flops.train_flops_per_token(cfg.model, seq) * tokens,
+                    "flops_py_attention_per_device_step": 3 * flops.attention_flops_per_token(cfg.model, seq) * tokens,
+                    "params": flops.param_count(cfg.model), "tokens_per_device": tokens}
+                print(f"{topology} {heads} remat={remat}: " + "; ".join(report.lines()), flush=True)
+                common.write_json(path, {"results": saved})
+    rows = []
+    for key, r in saved.items():
+        topology, heads, remat = key.split("/")
+        mem = r["memory"]
+        rows.append({
+            "topology": topology, "device": r["device_kind"], "heads": heads, "remat": remat,
+            "mem": f"{mem['total'] / aot.GIB:.1f}" if mem else "over (XLA)",
+            "hbm": f"{r['hbm'] / aot.GIB:.2f}", "fits": {True: "yes", False: "no", None: "?"}[r["fits"]],
+            "flops": f"{r['flops'] / 1e12:,.0f}" if r["flops"] else "",
+            "model": f"{(r['flops_py_per_device_step'] - r['flops_py_attention_per_device_step']) / 1e12:,.0f}",
+            "compile": f"{r['compile_s']:.0f}"})
+    print(f"\nOLMo 3 7B stage-1 train step, per device, compiled by XLA:TPU on {common.machine()['cpus']} CPUs; {path}")
+    print(common.table(rows, [("topology", "topology"), ("device", "device"), ("heads", "heads"), ("remat", "remat"),
+                              ("mem", "memory GiB"), ("hbm", "HBM GiB"), ("fits", "fits"),
+                              ("flops", "XLA TFLOP/step"), ("model", "flops.py TFLOP/step w/o attention"),
+                              ("compile", "compile s")]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The real train step compiled ahead of time, for the devices here or for a TPU topology that is not present.
+
+`compile_for(cfg, "tpu7x:4x4x4")` builds the run's Layout over the abstract devices of that topology (JAX's
+`jax.experimental.topologies`, backed by libtpu: the `tpu` extra, `pip install -e ".[tpu]"`), lowers the train step
+over sharded ShapeDtypeStructs and compiles it with XLA:TPU on this host, as MaxText's train_compile does. Nothing
+is allocated or run. The report holds XLA's memory per device against the chip's HBM, XLA's count of the compiled
+FLOPs per device and step (StepReport.flops says what it leaves out) and the compile time; when XLA:TPU refuses the
+program for lack of HBM, its own message. `compile_step(cfg, layout)` does the same for any Layout (the dry run on this host's
+devices). Config in, report out: the dry run (`train.py --dry-run --target T`) and bench/bench_tpu_memory.py use it.
+
+Topology names are libtpu's: `v5p:8x8x2` (chips in x, y, z), `tpu7x:4x4x4` (Ironwood: each chip shows as two
+devices), `v5e:16x16`, `v6e:8x8`, `v4:4x4x4`. A host without a TPU runs the compile with JAX_PLATFORMS=cpu.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from olmo3eqx.config import ConfigError, TrainConfig
+
+GIB = 1024**3
+HBM_GIB = (("tpu7", 94.75), ("v6 lite", 31.25), ("v5 lite", 15.75), ("tpu v5", 95.74), ("tpu v4", 15.25))
+"""HBM per device in GiB, by substring of the lower-cased device kind (first match wins: "v5 lite" before "tpu v5"),
+as XLA:TPU (libtpu 0.0.42.1) states it when a program does not fit ("exceeds available HBM"); tests check the table
+against the compiler."""
+LIBTPU_QUIET = {"TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+"""Set (unless set already) while libtpu starts on a host without a TPU, and removed again (TPU_WORKER_HOSTNAMES would
+make olmo3eqx.distributed take later processes for TPU pod workers): without the first two libtpu warns that it
+cannot find this host's TPU; the third lets it start while another process holds its lockfile (/tmp/libtpu_lockfile,
+taken by any JAX process that initialised a TPU client). None changes what is compiled: the topology is named."""
+OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: .*(?:HBM|hbm|vmem|VMEM).*")
+
+
+def hbm_bytes(device_kind: str) -> float | None:
+    """HBM per device of a TPU of this kind (HBM_GIB), None for other devices."""
+    kind = device_kind.lower()
+    return next((gib * GIB for key, gib in HBM_GIB if key in kind), None)
+
+
+def topology_devices(name: str) -> list:
+    """The abstract devices of TPU topology `name`; ConfigError naming the fix when libtpu is missing or the name
+    is unknown."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(f"--target {name} compiles with XLA:TPU, which needs libtpu: pip install -e \".[tpu]\" "
+                          f"(the jax[tpu] that matches the installed jax).")
+    import jax
+    from jax.experimental import topologies
+
+    added = [key for key in LIBTPU_QUIET if key not in os.environ]
+    os.environ.update({key: LIBTPU_QUIET[key] for key in added})
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except jax.errors.JaxRuntimeError as e:
+        raise ConfigError(f"Unknown TPU topology {name!r} ({str(e).splitlines()[0]}); name one as libtpu does, "
+                          f"e.g. v5p:2x2x1, v5p:8x8x2, tpu7x:4x4x4, v5e:16x16, v6e:8x8.") from None
+    finally:
+        for key in added:
+            del os.environ[key]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One compiled train step, per device."""
+
+    devices: int
+    device_kind: str
+    compile_s: float
+    hbm: float | None
+    """Bytes of HBM per device (known TPUs), else None."""
+    memory: dict[str, int] | None = None
+    """XLA's memory analysis: argument, output, alias, temp bytes, and total = argument + output - alias + temp."""
+    flops: float | None = None
+    """XLA's cost analysis: FLOPs per device and step, recomputation (remat) included, but a loop body (the layer
+    scan, gradient accumulation, the chunked loss) counted once whatever its trip count, and a Pallas kernel (splash
+    attention) as 0. On a program without loops and with XLA's attention it is the whole step (tests/test_aot.py)."""
+    out_of_memory: str | None = None
+    """XLA:TPU's own message when it refused the program for lack of memory."""
+
+    @property
+    def fits(self) -> bool | None:
+        if self.out_of_memory is not None:
+            return False
+        if self.memory is None or self.hbm is None:
+            return None
+        return self.memory["total"] <= self.hbm
+
+    def lines(self) -> list[str]:
+        """What the dry run prints."""
+        if self.out_of_memory is not None:
+            return [f"compiled step memory per device: does not fit; XLA says: {self.out_of_memory}",
+                    f"compile time:          {self.compile_s:.1f} s"]
+        out = []
+        if self.memory is not None:
+            m = self.memory
+            line = (f"compiled step memory per device: {m['total'] / GIB:.2f} GiB (arguments {m['argument'] / GIB:.2f}, "
+                    f"outputs {m['output'] / GIB:.2f}, aliased {m['alias'] / GIB:.2f}, temporaries "
+                    f"{m['temp'] / GIB:.2f})")
+            if self.hbm is not None:
+                margin = (self.hbm - m["total"]) / GIB
+                line += (f"; HBM {self.hbm / GIB:.2f} GiB: fits with {margin:.2f} GiB to spare" if margin >= 0 else
+                         f"; HBM {self.hbm / GIB:.2f} GiB: does not fit, {-margin:.2f} GiB over")
+            out.append(line)
+        else:
+            out.append("compiled step memory per device: this backend reports no memory analysis")
+        if self.flops is not None:
+            out.append(f"compiled FLOPs:        {self.flops / 1e12:,.4g} TFLOP per device-step as XLA counts them: "
+                       f"recomputation included, each loop body once (layer scan, micro-batches, loss chunks), "
+                       f"Pallas kernels (splash) as 0")
+        out.append(f"compile time:          {self.compile_s:.1f} s")
+        return out
+
+
+def compile_step(cfg: TrainConfig, layout) -> StepReport:
+    """Lower and compile `cfg`'s train step over `layout` (abstract inputs: nothing allocated) and measure it."""
+    import jax
+
+    from olmo3eqx.step import make_train_step
+
+    devices = layout.mesh.devices.flatten()
+    kind = devices[0].device_kind
+    common = dict(devices=len(devices), device_kind=kind, hbm=hbm_bytes(kind) if devices[0].platform == "tpu"
+                  else None)
+    step = make_train_step(cfg, layout)
+    start = time.perf_counter()
+    try:
+        compiled = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
+    except jax.errors.JaxRuntimeError as e:
+        found = OUT_OF_HBM.search(str(e))
+        if found is None:
+            raise
+        return StepReport(compile_s=time.perf_counter() - start, out_of_memory=found.group(0).strip(), **common)
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    memory = None
+    if mem is not None:
+        memory = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+                  "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes}
+        memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    cost = compiled.cost_analysis()
+    flops = cost.get("flops") if isinstance(cost, dict) else None
+    return StepReport(compile_s=compile_s, memory=memory, flops=flops, **common)
+
+
+def compile_for(cfg: TrainConfig, topology: str) -> StepReport:
+    """`cfg`'s train step compiled for TPU topology `topology` (see the module doc)."""
+    from olmo3eqx.sharding import build_layout
+
+    return compile_step(cfg, build_layout(cfg, topology_devices(topology)))

@@ -1,0 +1,145 @@
+"""Ahead-of-time compiles for TPU topologies that are not here (olmo3eqx.aot, `train.py --dry-run --target`), and
+what train.py tells JAX before it starts (olmo3eqx.jaxenv): CPU only on a host without accelerators, XLA's GPU
+flags on NVIDIA hosts.
+
+The TPU tests need libtpu (the `tpu` extra) and skip without it; XLA:TPU itself is the reference: its own
+out-of-memory message for the HBM table, its memory and cost analyses for the compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from olmo3eqx import aot, jaxenv
+from olmo3eqx.config import ConfigError, load_yaml
+from olmo3eqx.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]')")
+
+
+def run_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_flags_are_known_to_this_xla():
+    """XLA aborts on a flag it does not know; the GPU flags start it cleanly (and an unknown one does not)."""
+    code = "import jax, jax.numpy as jnp; print(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum())"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(jaxenv.GPU_XLA_FLAGS)}
+    ok = run_python(code, env)
+    assert ok.returncode == 0 and ok.stdout.strip() == "4.0", ok.stderr
+    bad = run_python(code, {**env, "XLA_FLAGS": env["XLA_FLAGS"] + " --xla_gpu_no_such_flag=true"})
+    assert bad.returncode != 0 and "Unknown flag" in bad.stderr
+
+
+def test_prepare_decides_platforms_and_gpu_flags():
+    cpu_host = {}
+    assert jaxenv.prepare(cpu_host) is None and cpu_host == {"JAX_PLATFORMS": "cpu"}
+    chosen = {"JAX_PLATFORMS": "tpu"}
+    assert jaxenv.prepare(chosen) is None and chosen == {"JAX_PLATFORMS": "tpu"}
+    gpu = {"JAX_PLATFORMS": "cuda"}
+    note = jaxenv.prepare(gpu)
+    assert gpu["XLA_FLAGS"] == " ".join(jaxenv.GPU_XLA_FLAGS) and "latency_hiding_scheduler" in gpu["XLA_FLAGS"]
+    assert note.startswith("XLA GPU flags") and gpu["XLA_FLAGS"] in note
+    own = {"JAX_PLATFORMS": "cuda,cpu", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    note = jaxenv.prepare(own)
+    assert own["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" and "set by the user" in note and "not applied" in note
+
+
+@pytest.mark.skipif(jaxenv.nvidia_gpu_host({}) or os.path.exists("/dev/accel0"), reason="an accelerator host")
+def test_cpu_host_with_libtpu_starts_quietly_on_cpu():
+    """JAX_PLATFORMS unset on a CPU host: after prepare, JAX starts the CPU backend only, without libtpu's warnings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = ("import os; from olmo3eqx import jaxenv; jaxenv.prepare(os.environ); import jax; "
+            "print(os.environ['JAX_PLATFORMS'], [d.platform for d in jax.devices()])")
+    out = run_python(code, env)
+    assert out.returncode == 0 and out.stdout.split() == ["cpu", "['cpu']"], out.stderr
+    assert "TPU" not in out.stderr
+
+
+def test_target_without_dry_run_and_unknown_names_are_one_sentence(capsys, monkeypatch):
+    assert main(["--target", "v5p:2x2x1", "--steps", "1"]) == 2
+    assert "add --dry-run" in capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else None)
+    with pytest.raises(ConfigError, match=r"needs libtpu: pip install -e \"\.\[tpu\]\""):
+        aot.topology_devices("v5p:2x2x1")
+
+
+@needs_libtpu
+def test_unknown_topology_is_named(capsys):
+    assert main(["--dry-run", "--target", "v7x:2x2x1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Unknown TPU topology 'v7x:2x2x1'" in err and "tpu7x:4x4x4" in err
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v4:2x2x1", "v5p:2x2x1", "tpu7x:2x2x1"])
+def test_hbm_table_is_what_the_compiler_says(topology):
+    """A program of 1 TiB per device: XLA:TPU refuses it and names the HBM available per device."""
+    device = aot.topology_devices(topology)[0]
+    big = jax.ShapeDtypeStruct((2**18, 2**20), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="exceeds available HBM") as err:
+        jax.jit(lambda x: (x * 2).sum(axis=0)).lower(big).compile()
+    available = float(re.search(r"available HBM \(([\d.]+)G\)", str(err.value)).group(1))
+    assert aot.hbm_bytes(device.device_kind) == pytest.approx(available * aot.GIB)
+
+
+def test_dry_run_on_this_host(capsys):
+    """The plain dry run: this host's devices, the resolved attention, XLA's memory and FLOPs, the compile time."""
+    assert main(["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert f"devices:               {jax.device_count()} x cpu" in out and "attention:             blocked" in out
+    assert "compiled step memory per device:" in out and "HBM" not in out  # no HBM figure for a CPU
+    assert "compiled FLOPs:" in out and "compile time:" in out
+
+
+def number_after(text: str, label: str) -> float:
+    return float(re.search(re.escape(label) + r"\s*([\d.,]+)", text).group(1).replace(",", ""))
+
+
+@needs_libtpu
+@pytest.mark.tpu
+def test_tiny_dry_run_for_a_tpu_topology(capsys):
+    """The default config compiled for 4 TPU v5e chips: splash attention, memory against the HBM, and XLA's FLOPs
+    equal to flops.py's count less the attention (the tiny step has no loop; splash kernels count 0 in XLA)."""
+    assert main(["--dry-run", "--target", "v5e:2x2"]) == 0
+    out = capsys.readouterr().out
+    assert "devices:               4 x TPU v5 lite (topology v5e:2x2)" in out
+    assert "attention:             splash, blocks 256 x 256" in out
+    assert re.search(r"HBM 15\.75 GiB: fits with [\d.]+ GiB to spare", out)
+    model = number_after(out, "TFLOP per device-step:")
+    attention = number_after(out, "windowed, of which attention")
+    assert number_after(out, "compiled FLOPs:") == pytest.approx(model - attention, rel=0.05)
+    assert "compile time:" in out
+
+
+@needs_libtpu
+@pytest.mark.tpu
+def test_out_of_hbm_is_reported_with_the_compilers_numbers():
+    """The tiny model at 128k tokens per v5e chip (16 GiB) without remat: XLA:TPU refuses; the report says so."""
+    base = load_yaml(REPO / "configs" / "tiny.yaml")
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, remat="none"),
+                              data=dataclasses.replace(base.data, seq_len=8192, global_batch=64),
+                              mesh=dataclasses.replace(base.mesh, max_per_device_batch=16))
+    report = aot.compile_for(cfg, "v5e:2x2")
+    assert report.fits is False and "exceeds available HBM" in report.out_of_memory
+    assert "does not fit" in report.lines()[0]
+
+
+@needs_libtpu
+@pytest.mark.tpu
+def test_one_b_compiles_for_v5p_and_fits():
+    cfg = load_yaml(REPO / "configs" / "olmo3-1b.yaml")
+    report = aot.compile_for(cfg, "v5p:2x2x1")
+    assert report.devices == 4 and report.fits and report.memory["total"] > 1 * aot.GIB
+    assert report.flops > 0
