@@ -219,10 +219,18 @@ class DataConfig:
     """Where the embedded default corpus is prepared once."""
     allow_fingerprint_mismatch: bool = False
     """Resume even when the token files differ from the ones the checkpoint was written with."""
+    packing: bool = False
+    """Pack whole documents into seq_len instances as OLMo-core's NumpyPackedFSLDataset does (stage 3): padding
+    masked out of the loss, attention kept within each document (README "Long context")."""
+    source_group_size: int = 1
+    """With packing: files packed together as one group (OLMo-core's source_group_size; stage 3: 8)."""
+    source_permutation_seed: int | None = None
+    """Shuffle the training files with Python's random.Random(seed) before anything else, as OLMo-core's
+    source_permutation_seed does (stage 3: 123); None keeps their order."""
 
     def __post_init__(self):
         check_choices(self, "data")
-        check_signs(self, "data", positive=("seq_len", "global_batch"), non_negative=("num_threads", "prefetch"))
+        check_signs(self, "data", positive=("seq_len", "global_batch", "source_group_size"), non_negative=("num_threads", "prefetch"))
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ConfigError(f"data.vocab_size must be positive, got {self.vocab_size}.")
         if self.mix and self.paths:
@@ -233,6 +241,14 @@ class DataConfig:
         if mt is not None and (mt < self.seq_len or mt % self.seq_len):
             raise ConfigError(f"data.max_target_seq_len {mt} must be a multiple of data.seq_len {self.seq_len} "
                               f"(OLMo-core's rule); set it to k * {self.seq_len} or leave it unset.")
+        if self.packing and mt is not None:
+            raise ConfigError("data.max_target_seq_len applies to fixed-length instances, not to data.packing "
+                              "(OLMo-core's packed dataset has none); unset one of them.")
+        if self.packing and self.seq_len & (self.seq_len - 1):
+            raise ConfigError(f"data.packing needs a power-of-two data.seq_len (OLMo-core's packer), got "
+                              f"{self.seq_len}.")
+        if self.source_permutation_seed is not None and self.source_permutation_seed < 0:
+            raise ConfigError(f"data.source_permutation_seed must be non-negative, got {self.source_permutation_seed}.")
 
 
 @dataclass(frozen=True)

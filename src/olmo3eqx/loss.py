@@ -25,10 +25,16 @@ def next_token_labels(tokens: Int[Array, "b s"]) -> Int[Array, "b s"]:
     return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
 
 
-def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"]) -> Float[Array, "b s"]:
-    """1 where a position has a label (all but the last) in an unmasked instance."""
+def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"],
+                  label_mask: Bool[Array, "b s"] | None = None) -> Float[Array, "b s"]:
+    """1 where a position has a label (all but the last) in an unmasked instance; with a packed batch's
+    `label_mask` (False on padding), also only where the token it predicts is not padding: OLMo-core's get_labels,
+    which ignores a label whose target is masked (so an EOS predicting the next document's first token is kept)."""
     has_label = jnp.arange(tokens.shape[1]) < tokens.shape[1] - 1
-    return mask[:, None] * has_label[None, :].astype(jnp.float32)
+    weights = mask[:, None] * has_label[None, :].astype(jnp.float32)
+    if label_mask is None:
+        return weights
+    return weights * next_token_labels(label_mask.astype(jnp.int32)).astype(jnp.float32)
 
 
 def loss_chunk(batch: int, seq: int, vocab: int) -> int:
@@ -73,10 +79,11 @@ def token_losses(
     return map_logits(ce_and_z, hidden, lm_head, labels, remat=True)
 
 
-def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"],
-              z_loss: float) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1]."""
-    hidden = model.hidden(tokens)
+def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"], z_loss: float,
+              segment_ids: Int[Array, "b s"] | None = None) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1];
+    `segment_ids` (packed batches) keep attention within each document."""
+    hidden = model.hidden(tokens) if segment_ids is None else model.hidden(tokens, segment_ids=segment_ids)
     ce, z = token_losses(hidden, model.lm_head.weight, next_token_labels(tokens), z_loss)
     return jnp.sum(ce * weights), jnp.sum(z * weights)
 

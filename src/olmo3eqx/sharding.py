@@ -180,6 +180,8 @@ class Layout:
     """The train state's shapes and dtypes (ShapeDtypeStruct leaves)."""
     shardings: TrainState
     """A NamedSharding per array leaf of the train state."""
+    packed: bool = False
+    """Batches of packed documents (data.packing): they carry segment ids and a label mask."""
 
     @property
     def data_parallel(self) -> int:
@@ -194,18 +196,28 @@ class Layout:
         """The state's arrays as sharded ShapeDtypeStructs (see with_shardings)."""
         return with_shardings(self.abstract, self.shardings)
 
-    def batch_target(self, seq_len: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-        """(tokens, mask) of one global batch as sharded ShapeDtypeStructs."""
-        b = self.plan.global_batch
-        return (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=batch_sharding(self.mesh, 2)),
-                jax.ShapeDtypeStruct((b,), jnp.float32, sharding=batch_sharding(self.mesh, 1)))
+    def batch_target(self, seq_len: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """(tokens, mask[, segment_ids, label_mask]) of one global batch as sharded ShapeDtypeStructs."""
+        b, rows = self.plan.global_batch, batch_sharding(self.mesh, 2)
+        target = (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows),
+                  jax.ShapeDtypeStruct((b,), jnp.float32, sharding=batch_sharding(self.mesh, 1)))
+        if self.packed:
+            target += (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows),
+                       jax.ShapeDtypeStruct((b, seq_len), jnp.bool_, sharding=rows))
+        return target
 
-    def put_batch(self, batch: dict[str, np.ndarray]) -> tuple[jax.Array, jax.Array]:
-        """This process's rows of a global batch (the data pipeline's {"tokens", "mask"}) -> global (tokens, mask)."""
+    def put_batch(self, batch: dict[str, np.ndarray]) -> tuple[jax.Array, ...]:
+        """This process's rows of a global batch (the data pipeline's {"tokens", "mask"}, packed: and
+        {"segment_ids", "label_mask"}) -> the global arrays the train step takes, in batch_target's order."""
         tokens, mask = batch["tokens"], batch["mask"]
         shape = (self.plan.global_batch, tokens.shape[1])
-        return (jax.make_array_from_process_local_data(batch_sharding(self.mesh, 2), tokens, shape),
-                jax.make_array_from_process_local_data(batch_sharding(self.mesh, 1), mask, shape[:1]))
+        rows = batch_sharding(self.mesh, 2)
+        out = (jax.make_array_from_process_local_data(rows, tokens, shape),
+               jax.make_array_from_process_local_data(batch_sharding(self.mesh, 1), mask, shape[:1]))
+        if self.packed:
+            out += tuple(jax.make_array_from_process_local_data(rows, batch[k], shape)
+                         for k in ("segment_ids", "label_mask"))
+        return out
 
     def describe(self) -> str:
         p = self.plan
@@ -219,4 +231,4 @@ def build_layout(cfg: TrainConfig, devices=None) -> Layout:
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
     optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
     abstract = abstract_state(cfg, optimizer)
-    return Layout(mesh, plan, optimizer, abstract, tree_shardings(abstract, mesh))
+    return Layout(mesh, plan, optimizer, abstract, tree_shardings(abstract, mesh), packed=cfg.data.packing)

@@ -2,7 +2,9 @@
 
 The loss (olmo3eqx.loss) is the mean over the labelled tokens of unmasked instances of the *global* batch: each
 micro-batch adds sum(loss) / (labelled tokens in the global batch), so the result is the same whatever the
-sharding or accumulation (up to floating-point reassociation).
+sharding or accumulation (up to floating-point reassociation). Packed batches (data.packing) add segment ids
+(attention within documents) and a label mask (no loss on padding); their mean is still the global token mean over
+the labelled tokens, where OLMo-core averages per-rank token means (equal only when every rank holds as many).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
@@ -31,33 +33,39 @@ def split_micro(x: Array, accum: int) -> Array:
 
 
 def micro_batch_loss(params, tokens: Int[Array, "m s"], mask: Float[Array, " m"], z_loss: float,
-                     total: Float[Array, ""]) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""]]]:
+                     total: Float[Array, ""], segment_ids: Int[Array, "m s"] | None = None,
+                     label_mask: Bool[Array, "m s"] | None = None
+                     ) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""]]]:
     """(what a micro-batch backpropagates, (its CE sum, its z-loss sum)). Its sums are divided by `total`, the labelled
     tokens of the whole global batch (OLMo-core's loss_div_factor), not by its own count, so the accumulated gradient
     is the gradient of the global token mean whatever the accumulation."""
-    ce, z = loss_sums(params, tokens, label_weights(tokens, mask), z_loss)
+    ce, z = loss_sums(params, tokens, label_weights(tokens, mask, label_mask), z_loss, segment_ids)
     return (ce + z) / total, (ce, z)
 
 
 def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
-    """jit(train_step(state, tokens, mask) -> (state, metrics)), state donated, shardings explicit."""
+    """jit(train_step(state, tokens, mask[, segment_ids, label_mask]) -> (state, metrics)), state donated,
+    shardings explicit; the packed arguments exactly when layout.packed (layout.put_batch gives them)."""
     ocfg: OptimConfig = cfg.optim
     optimizer, plan, mesh, shardings = layout.optimizer, layout.plan, layout.mesh, layout.shardings
     schedule = optim.lr_schedule(ocfg, cfg.steps)
     micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
     param_shardings = shardings.model
 
-    def train_step(state: TrainState, tokens: Int[Array, "b s"], mask: Float[Array, " b"]):
+    def train_step(state: TrainState, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
+                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
         params = cast_floating(state.model, jnp.float32)  # differentiate w.r.t. float32: fp32 grads
-        total = jnp.maximum(jnp.sum(label_weights(tokens, mask)), 1.0)
+        total = jnp.maximum(jnp.sum(label_weights(tokens, mask, label_mask)), 1.0)
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
         micro_mask = split_micro(mask, plan.accum_steps)
+        micro_packed = tuple(None if x is None else jax.lax.with_sharding_constraint(
+            split_micro(x, plan.accum_steps), micro_sharding) for x in (segment_ids, label_mask))
 
         grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
 
-        def micro_grads(t, m):
+        def micro_grads(t, m, packed):
             """(grads laid out like the parameters, CE sum, z-loss sum) of one micro-batch."""
-            (_, (ce, z)), g = grad_fn(params, t, m, ocfg.z_loss, total)
+            (_, (ce, z)), g = grad_fn(params, t, m, ocfg.z_loss, total, *packed)
             return jax.lax.with_sharding_constraint(eqx.filter(g, eqx.is_array), param_shardings), ce, z
 
         def accumulate(carry, xs):
@@ -67,11 +75,12 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
             return (grads, ce_sum + ce, z_sum + z), None
 
         if plan.accum_steps == 1:  # no accumulator to zero and add into
-            grads, ce_sum, z_sum = micro_grads(micro_tokens[0], micro_mask[0])
+            first = tuple(None if x is None else x[0] for x in micro_packed)
+            grads, ce_sum, z_sum = micro_grads(micro_tokens[0], micro_mask[0], first)
         else:
             zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
             (grads, ce_sum, z_sum), _ = jax.lax.scan(
-                accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask))
+                accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask, micro_packed))
         ce_mean, z_mean = ce_sum / total, z_sum / total
         grad_norm = optim.global_norm(grads)
         step = state.step + 1
@@ -95,5 +104,6 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
         return TrainState(new_model, new_opt_state, step, spike), metrics
 
     bsh = batch_sharding(mesh, 2)
-    return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, bsh, batch_sharding(mesh, 1)),
+    batch_shardings = (bsh, batch_sharding(mesh, 1)) + ((bsh, bsh) if layout.packed else ())
+    return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, *batch_shardings),
                    out_shardings=(shardings, None), donate_argnums=0)

@@ -356,7 +356,8 @@ def train_data(cfg: TrainConfig, start: int, data_state: dict | None):
     data = build_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.data_seed,
         shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=cfg.token_vocab_size,
-        state=data_state, index_dir=cfg.run_dir / DATA_ORDER_DIR)
+        state=data_state, index_dir=cfg.run_dir / DATA_ORDER_DIR, eos_id=cfg.model.eos_token_id,
+        pad_id=cfg.model.pad_token_id)
     if data.batches_consumed != start:
         raise DataError(f"The data state of checkpoint {start} has consumed {data.batches_consumed} batches instead "
                         f"of {start}; the checkpoint is inconsistent.")

@@ -8,6 +8,7 @@ whatever the process count, thread count or prefetch depth.
 
 from __future__ import annotations
 
+import random
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +22,7 @@ from olmo3eqx.data.corpus import default_corpus
 from olmo3eqx.data.filters import repeated_ngram_mask
 from olmo3eqx.data.mixes import resolve_mix
 from olmo3eqx.data.order import OlmoCoreOrder, OurOrder
+from olmo3eqx.data.packed import PackedSource, segment_ids
 from olmo3eqx.data.source import DataError, TokenSource, expand_paths
 
 STATE_VERSION = 1
@@ -54,15 +56,25 @@ def shard_rows(rows: grain.MapDataset, *, shard_index: int, shard_count: int) ->
 
 
 class ReadBatch:
-    """Instance ids -> {"tokens", "index", "mask"}; mask is 0 for instances the n-gram filter rejects."""
+    """Instance ids -> {"tokens", "index", "mask"}; mask is 0 for instances the n-gram filter rejects. Packed
+    instances add "label_mask" (bool [b, s], False on padding), "doc_lens" (int32 [b, d], zero-padded) and
+    "segment_ids" (int32 [b, s], each token's document in its instance; the padding is a document of its own)."""
 
-    def __init__(self, source: TokenSource, ngram_filter: bool):
+    def __init__(self, source: TokenSource | PackedSource, ngram_filter: bool):
         self.source, self.ngram_filter = source, ngram_filter
 
     def __call__(self, ids: Int64[np.ndarray, " b"]) -> dict[str, np.ndarray]:
-        tokens = self.source.read(ids)
+        packed = isinstance(self.source, PackedSource)
+        if packed:
+            tokens, label_mask, doc_lens = self.source.read_packed(ids)
+        else:
+            tokens = self.source.read(ids)
         mask = ~repeated_ngram_mask(tokens) if self.ngram_filter else np.ones(ids.size, bool)
-        return {"tokens": tokens, "index": ids.astype(np.int64), "mask": mask.astype(np.float32)}
+        batch = {"tokens": tokens, "index": ids.astype(np.int64), "mask": mask.astype(np.float32)}
+        if packed:
+            batch |= {"label_mask": label_mask, "doc_lens": doc_lens,
+                      "segment_ids": segment_ids(doc_lens, tokens.shape[1])}
+        return batch
 
 
 # --- files -----------------------------------------------------------------------------------------
@@ -70,13 +82,20 @@ class ReadBatch:
 
 def training_files(data_cfg: DataConfig) -> tuple[list[str], list[str] | None]:
     """(training token files in instance order, their labels or None): data.mix's files under data.mix_root, else
-    data.paths expanded in config order, else the embedded default corpus (prepared on first use)."""
+    data.paths expanded in config order, else the embedded default corpus (prepared on first use); then shuffled
+    by data.source_permutation_seed if set."""
     if data_cfg.mix:
-        files = resolve_mix(data_cfg.mix, data_cfg.mix_root)
-        return [f.path for f in files], [f.label for f in files]
-    if data_cfg.paths:
-        return expand_paths(data_cfg.paths, "data.paths"), None
-    return sorted(str(p) for p in default_corpus(data_cfg.cache_dir).glob("train_*.npy")), None
+        mix = resolve_mix(data_cfg.mix, data_cfg.mix_root)
+        files, labels = [f.path for f in mix], [f.label for f in mix]
+    elif data_cfg.paths:
+        files, labels = expand_paths(data_cfg.paths, "data.paths"), None
+    else:
+        files, labels = sorted(str(p) for p in default_corpus(data_cfg.cache_dir).glob("train_*.npy")), None
+    if data_cfg.source_permutation_seed is None:
+        return files, labels
+    order = list(range(len(files)))  # OLMo-core's NumpyDatasetConfig._resolve_paths_metadata, line for line
+    random.Random(data_cfg.source_permutation_seed).shuffle(order)
+    return [files[i] for i in order], None if labels is None else [labels[i] for i in order]
 
 
 def heldout_files(data_cfg: DataConfig) -> list[str]:
@@ -116,13 +135,19 @@ def build_order(data_cfg: DataConfig, num_instances: int, *, seq_len: int, globa
 # --- train -----------------------------------------------------------------------------------------
 
 
+def packing_state(data_cfg: DataConfig) -> dict | None:
+    """How instances are cut, as the iterator state records it: None for fixed-length instances."""
+    return {"group_size": data_cfg.source_group_size} if data_cfg.packing else None
+
+
 class TrainIterator:
     """Endless iterator over this process's part of the global batches; `get_state()` restores it exactly."""
 
-    def __init__(self, source: TokenSource, order, *, data_cfg: DataConfig, shard_index: int, shard_count: int,
-                 batches_consumed: int = 0):
+    def __init__(self, source: TokenSource | PackedSource, order, *, data_cfg: DataConfig, shard_index: int,
+                 shard_count: int, batches_consumed: int = 0):
         self.source, self.order = source, order
         self.order_name, self.max_target_seq_len = data_cfg.order, data_cfg.max_target_seq_len
+        self.packing = packing_state(data_cfg)
         self.seq_len = source.seq_len
         self.global_batch, self.seed = order.global_batch, order.seed
         self.shard_index, self.shard_count = shard_index, shard_count
@@ -160,6 +185,7 @@ class TrainIterator:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "max_target_seq_len": self.max_target_seq_len,
+            "packing": self.packing,
             "global_batch": self.global_batch,
             "batches_consumed": self.batches_consumed,
             "tokens_consumed": self.batches_consumed * self.global_batch * self.seq_len,
@@ -170,7 +196,7 @@ class TrainIterator:
         }
 
 
-STATE_DEFAULTS = {"order": "ours", "max_target_seq_len": None}
+STATE_DEFAULTS = {"order": "ours", "max_target_seq_len": None, "packing": None}
 """What a state written before these fields existed meant."""
 
 
@@ -198,22 +224,30 @@ def _check_state(state: dict, run: dict, fingerprint: list[list], allow_mismatch
 
 def build_train_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: int, seed: int, shard_index: int,
                          shard_count: int, vocab_size: int | None = None, state: dict | None = None,
-                         index_dir: str | Path | None = None) -> TrainIterator:
+                         index_dir: str | Path | None = None, eos_id: int | None = None,
+                         pad_id: int | None = None) -> TrainIterator:
     """This process's iterator over global training batches in data.order (resumed from `state` if given);
     `index_dir` holds OLMo-core's order's per-epoch indices (train.py: the run directory's data_order/).
 
     Batches are {"tokens": int32 [global_batch // shard_count, seq_len], "index": int64 global instance ids,
-    "mask": float32 (0 for instances the n-gram filter rejects)}.
+    "mask": float32 (0 for instances the n-gram filter rejects)}, plus with data.packing (documents packed with
+    `eos_id` ends and `pad_id` padding) "label_mask", "doc_lens" and "segment_ids" (ReadBatch).
     """
     _check_split(global_batch, shard_index, shard_count)
     files, labels = training_files(data_cfg)
-    source = TokenSource(files, seq_len=seq_len, token_dtype=data_cfg.token_dtype,
-                         vocab_size=vocab_size if vocab_size is not None else data_cfg.vocab_size,
-                         max_target_seq_len=data_cfg.max_target_seq_len, labels=labels,
-                         what="data.mix" if data_cfg.mix else "data.paths")
+    common = dict(seq_len=seq_len, token_dtype=data_cfg.token_dtype, labels=labels,
+                  vocab_size=vocab_size if vocab_size is not None else data_cfg.vocab_size,
+                  what="data.mix" if data_cfg.mix else "data.paths")
+    if data_cfg.packing:
+        if eos_id is None or pad_id is None:
+            raise DataError("data.packing needs the EOS and PAD token ids (model.eos_token_id, model.pad_token_id).")
+        source = PackedSource(files, eos_id=eos_id, pad_id=pad_id, group_size=data_cfg.source_group_size, **common)
+    else:
+        source = TokenSource(files, max_target_seq_len=data_cfg.max_target_seq_len, **common)
     consumed = 0
     if state is not None:
         run = {"order": data_cfg.order, "seq_len": seq_len, "max_target_seq_len": data_cfg.max_target_seq_len,
+               "packing": packing_state(data_cfg),
                "global_batch": global_batch, "seed": seed}
         consumed = _check_state(state, run, source.fingerprint, data_cfg.allow_fingerprint_mismatch)
     order = build_order(data_cfg, source.num_instances, seq_len=seq_len, global_batch=global_batch, seed=seed,
