@@ -18,7 +18,17 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default
   (SPLASH_BLOCKS). Under a mesh it runs per shard in a `shard_map` (batch over data x fsdp, heads over tensor),
   since XLA cannot partition a Pallas kernel; on CPU the kernel runs in Pallas interpret mode (slow: for tests).
-- "auto": splash on TPU, cudnn on GPU for bf16/fp16 inputs (cuDNN has no float32 flash kernel), blocked elsewhere.
+- "auto": splash on TPU, cudnn on GPU for bf16/fp16 inputs (cuDNN has no float32 flash kernel), blocked elsewhere
+  (and on GPU when documents are masked: see below).
+
+Document masking (packed instances): `segment_ids` [*batch, seq] gives each token the index of its document; a query
+then sees key j only if causal, inside the window on sliding layers, AND of the same segment. None is plain causal
+attention on the unchanged code path. Per backend: "xla" adds the segment mask to jax.nn's `mask`; "blocked" ANDs
+it into each block pair's static mask (the same T x (W + C) scores: the memory bound is unchanged); "splash" passes
+the kernel `SegmentIds(q, kv)`. "cudnn" refuses: jax.nn.dot_product_attention's public cuDNN path expresses padding
+(`query_seq_lengths`), not packing, and its `mask` becomes a dense [heads, T, T] bias (at 65K, 8 GiB per head in
+bf16); the packed cuDNN layout (`q_offsets`) is only in JAX's private jax._src.cudnn API, untested here (no GPU).
+So "auto" picks "blocked" on GPU for masked documents, and an explicit "cudnn" with segment ids is a clear error.
 
 Which platform a trace compiles for is read from the abstract mesh in context (`sharding.on_mesh`, as the train
 step and the evaluator trace), so an ahead-of-time compile for a TPU topology on a CPU host (olmo3eqx.aot) gets
@@ -34,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from olmo3eqx.config import SPLASH_LANES, AttentionImpl
 
@@ -51,6 +61,13 @@ DEFAULT_SPLASH_BLOCK = 512
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+PAD_SEGMENT = -1
+"""Segment id of the positions a backend pads the sequence with: a segment of its own, so a padded query still
+sees itself (no all-masked row) and no real query sees padding."""
+
+
+class DocumentMaskError(ValueError):
+    """A backend that cannot mask documents was asked to."""
 
 
 def target_device() -> tuple[str, str]:
@@ -63,16 +80,21 @@ def target_device() -> tuple[str, str]:
     return device.platform, device.device_kind
 
 
-def resolve(impl: str, dtype) -> str:
-    """The backend `impl` names for inputs of `dtype` on the target platform ("auto" decided here)."""
+def resolve(impl: str, dtype, documents: bool = False) -> str:
+    """The backend `impl` names for inputs of `dtype` on the target platform ("auto" decided here); `documents`:
+    whether segment ids mask documents (cuDNN cannot: see the module doc)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
+    if impl == "cudnn" and documents:
+        raise DocumentMaskError(
+            "model.attention_impl 'cudnn' cannot mask packed documents (jax.nn.dot_product_attention's cuDNN path "
+            "has no segment ids); set model.attention_impl to 'auto' or 'blocked'.")
     if impl != "auto":
         return impl
     platform = target_device()[0]
     if platform == "tpu":
         return "splash"
-    if platform == "gpu" and jnp.dtype(dtype) in LOW_PRECISION:
+    if platform == "gpu" and jnp.dtype(dtype) in LOW_PRECISION and not documents:
         return "cudnn"
     return "blocked"
 
@@ -80,24 +102,30 @@ def resolve(impl: str, dtype) -> str:
 def attention(
     q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
     v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None, impl: str = "auto",
-    block_q: int | None = None, block_kv: int | None = None,
+    block_q: int | None = None, block_kv: int | None = None, segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """Causal attention; `window` is W keys including the query itself, None for a global layer. Query head h uses
     kv head h // (heads // kv_heads) (grouped-query attention). Leading batch axes are optional. Output in q's
-    dtype. `block_q`/`block_kv` are splash's blocks (None: the chip's default); the other backends ignore them."""
-    backend = resolve(impl, q.dtype)
+    dtype. `block_q`/`block_kv` are splash's blocks (None: the chip's default); the other backends ignore them.
+    `segment_ids`: each token's document; keys of another document are masked (None: no document masking)."""
+    backend = resolve(impl, q.dtype, documents=segment_ids is not None)
     seq = q.shape[-3]
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
-        return blocked_attention(q, k, v, window=window)
+        return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
     if backend == "splash":
-        return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv)
+        return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
     if q.ndim > 4:
-        return jax.vmap(lambda a, b, c: attention(a, b, c, window=window, impl=backend))(q, k, v)
+        if segment_ids is None:
+            return jax.vmap(lambda a, b, c: attention(a, b, c, window=window, impl=backend))(q, k, v)
+        return jax.vmap(lambda a, b, c, s: attention(a, b, c, window=window, impl=backend, segment_ids=s))(
+            q, k, v, segment_ids)
+    # [*b, 1, T, S]: broadcast over heads (jax.nn ANDs it with the causal and window masks).
+    mask = None if segment_ids is None else (segment_ids[..., :, None] == segment_ids[..., None, :])[..., None, :, :]
     # jax.nn's local_window_size=(L, R) allows i - L <= j <= i + R: W keys including self is (W - 1, 0).
     return jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0),
+        q, k, v, mask=mask, is_causal=True, local_window_size=None if window is None else (window - 1, 0),
         implementation=None if backend == "xla" else backend)
 
 
@@ -131,30 +159,39 @@ def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, i
 def splash_attention(
     q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
     v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None, block_q: int | None = None,
-    block_kv: int | None = None,
+    block_kv: int | None = None, segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """The "splash" backend (see the module doc). The sequence is padded at the end to the blocks (padding is never
-    seen by a real query: causality); q is scaled by 1/sqrt(dim) before the kernel, which does not scale."""
+    seen by a real query: causality; its segment is PAD_SEGMENT); q is scaled by 1/sqrt(dim) before the kernel,
+    which does not scale. Segment ids go to the kernel as SegmentIds(q, kv), ANDed with its static mask."""
     *lead, seq, heads, dim = q.shape
     padded, bq, bkv = splash_blocks(seq, block_q, block_kv)
     if padded != seq:
         pad = [(0, 0)] * len(lead) + [(0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=PAD_SEGMENT)
     q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
     interpret = target_device()[0] == "cpu"
 
-    def per_shard(q, k, v):
+    def per_shard(q, k, v, *segments):
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
         kernel = splash_kernel(padded, q.shape[-2], window, bq, bkv, interpret)
+        if segments:
+            kernel = (lambda f: lambda q, k, v, s: f(q, k, v, segment_ids=SegmentIds(q=s, kv=s)))(kernel)
         for _ in lead:
             kernel = jax.vmap(kernel)
         heads_major = [jnp.swapaxes(x, -3, -2) for x in (q, k, v)]  # [*b, T, H, D] -> the kernel's [*b, H, T, D]
-        return jnp.swapaxes(kernel(*heads_major), -3, -2)
+        return jnp.swapaxes(kernel(*heads_major, *segments), -3, -2)
 
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         spec = shard_spec(mesh, q.shape, k.shape[-2])
-        per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    return per_shard(q, k, v)[..., :seq, :, :]
+        specs = (spec,) * 3 + ((P(spec[0]),) if segment_ids is not None else ())  # segments split as the batch
+        per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
+    return per_shard(*args)[..., :seq, :, :]
 
 
 def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:
@@ -180,9 +217,11 @@ def sliding_block(seq: int, window: int) -> int:
 def blocked_attention(
     q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
     v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None,
+    segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """The "blocked" backend (see the module doc). Leading batch axes are handled natively (no vmap). Scores and
     softmax in float32, probabilities cast to v's dtype for the PV matmul (as `jax.nn.dot_product_attention` does).
+    `segment_ids` (None: none) mask each block pair's scores to same-document pairs, on top of the static mask.
 
     Layout: q is transposed once to [*batch, kv_heads, blocks, groups * C, dim] and k, v to [*batch, kv_heads, seq,
     dim], so both matmuls are canonical batched matmuls (batch axes leading, the contraction last or second to
@@ -200,6 +239,8 @@ def blocked_attention(
     if padded != seq:  # padding at the end is never seen by a real query (causality)
         pad = [(0, 0)] * nb + [(0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=PAD_SEGMENT)
     # q: [*b, n*C, K*G, D] -> [*b, K, n, G*C, D]; k, v: [*b, T, K, D] -> [*b, K, T, D]
     b_axes = tuple(range(nb))
     qb = q.reshape(*lead, n, block, kv_heads, groups, dim).transpose(*b_axes, nb + 2, nb, nb + 3, nb + 1, nb + 4)
@@ -207,20 +248,27 @@ def blocked_attention(
     kh, vh = (x.transpose(*b_axes, nb + 1, nb, nb + 2) for x in (k, v))
     scale = 1.0 / math.sqrt(dim)
     if window is None or window >= seq:
-        out = _triangle(qb, kh, vh, block, groups, scale)
+        out = _triangle(qb, kh, vh, block, groups, scale, segment_ids)
     else:
-        out = _band(qb, kh, vh, block, groups, window, scale)
+        out = _band(qb, kh, vh, block, groups, window, scale, segment_ids)
     # [*b, K, n, G*C, D] -> [*b, n*C, K*G, D]
     out = out.reshape(*lead, kv_heads, n, groups, block, dim).transpose(*b_axes, nb + 1, nb + 3, nb, nb + 2, nb + 4)
     return out.reshape(*lead, padded, heads, dim)[..., :seq, :, :]
 
 
-def _softmax_pv(scores: Float[Array, "*b q s"], mask: np.ndarray, v_dtype, scale: float):
+def _same_segment(query_ids: Array, key_ids: Array, groups: int, head_axis: int) -> Array:
+    """Boolean [..., G*C, S]: query row (group, position) and key share a segment, with a kv-head axis of size 1
+    inserted at `head_axis` (negative) to broadcast against the scores. query_ids [..., C], key_ids [..., S]."""
+    rows = jnp.tile(query_ids, (1,) * (query_ids.ndim - 1) + (groups,))  # group-major rows, as the scores'
+    return jnp.expand_dims(rows[..., :, None] == key_ids[..., None, :], head_axis)
+
+
+def _softmax_pv(scores: Float[Array, "*b q s"], mask, v_dtype, scale: float):
     scores = jnp.where(mask, scores * scale, MASKED)
     return jax.nn.softmax(scores, axis=-1).astype(v_dtype)
 
 
-def _band(qb, k, v, block: int, groups: int, window: int, scale: float):
+def _band(qb, k, v, block: int, groups: int, window: int, scale: float, segment_ids):
     """Sliding layer: query block b sees key blocks b-P..b, P = ceil((W-1)/C), as one batched matmul over
     (batch, kv head, block)."""
     n = qb.shape[-3]
@@ -235,18 +283,25 @@ def _band(qb, k, v, block: int, groups: int, window: int, scale: float):
     j = (np.arange(n)[:, None, None] - prev) * block + np.arange((prev + 1) * block)[None, None, :]
     mask = (j >= 0) & (j <= i) & (i - j < window)  # [n, C, (P+1)C]; j < 0 is the front padding
     mask = np.tile(mask, (1, groups, 1))  # rows are (group, position) pairs, group-major
+    if segment_ids is not None:  # [*b, n, C] queries against [*b, n, (P+1)C] keys -> [*b, 1, n, G*C, (P+1)C]
+        key_ids = key_blocks(segment_ids[..., None])[..., 0]  # the front padding is masked by j >= 0 already
+        query_ids = segment_ids.reshape(*segment_ids.shape[:-1], n, block)
+        mask = mask & _same_segment(query_ids, key_ids, groups, head_axis=-4)
     s = jnp.einsum("...nmd,...nsd->...nms", qb, key_blocks(k), preferred_element_type=jnp.float32)
     p = _softmax_pv(s, mask, v.dtype, scale)
     return jnp.einsum("...nms,...nsd->...nmd", p, key_blocks(v))
 
 
-def _triangle(qb, k, v, block: int, groups: int, scale: float):
+def _triangle(qb, k, v, block: int, groups: int, scale: float, segment_ids):
     """Global layer: query block b sees keys 0..(b+1)*C - 1 (a static Python loop over the few blocks)."""
     n = qb.shape[-3]
     outs = []
     for b in range(n):
         keys = (b + 1) * block
         mask = np.tile(np.arange(block)[:, None] + b * block >= np.arange(keys)[None, :], (groups, 1))
+        if segment_ids is not None:  # [*b, 1, G*C, keys]
+            query_ids = segment_ids[..., b * block:(b + 1) * block]
+            mask = mask & _same_segment(query_ids, segment_ids[..., :keys], groups, head_axis=-3)
         s = jnp.einsum("...md,...sd->...ms", qb[..., b, :, :], k[..., :keys, :], preferred_element_type=jnp.float32)
         p = _softmax_pv(s, mask, v.dtype, scale)
         outs.append(jnp.einsum("...ms,...sd->...md", p, v[..., :keys, :]))

@@ -8,6 +8,11 @@ Linear weights are stored [in, out]. Layers are stacked along a leading axis of 
 as a `lax.scan` over the repeating period of `layer_types` (OLMo 3: 3 sliding + 1 global), so compile
 time does not grow with depth; a pattern with no period shorter than the depth, or one that repeats too few
 times for a scan to pay (MAX_UNROLLED_GROUPS), runs as a Python loop.
+
+Packed instances: `segment_ids` ([*batch, seq], each token's document index) masks attention to the token's own
+document (attention.py) and restarts RoPE positions at 0 in every document, as OLMo-core does when it is given
+cu_doc_lens (olmo_core/nn/rope.py, RotaryEmbedding.forward: "each document's tokens receive positions starting
+from 0"), so a packed document computes what it computes alone. None: one document per row, positions 0..seq-1.
 """
 
 from __future__ import annotations
@@ -103,11 +108,16 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig | None) 
 
 
 class RopeTable(eqx.Module):
-    """cos and sin of every position's rotation angles, float32, [seq, head_dim]: computed once per layer kind
-    (OLMo3.hidden) and shared by every layer of that kind."""
+    """cos and sin of every position's rotation angles, float32, [seq, head_dim] (or [*batch, seq, head_dim] once
+    gathered at per-document positions): computed once per layer kind (OLMo3.hidden) and shared by every layer of
+    that kind."""
 
-    cos: Float[Array, "seq dim"]
-    sin: Float[Array, "seq dim"]
+    cos: Float[Array, "*batch seq dim"]
+    sin: Float[Array, "*batch seq dim"]
+
+    def at(self, positions: Int[Array, "*batch seq"]) -> RopeTable:
+        """The rows of `positions` (every position < the table's length)."""
+        return RopeTable(self.cos[positions], self.sin[positions])
 
     @staticmethod
     def build(seq: int, dim: int, theta: float, scaling: RopeScalingConfig | None) -> RopeTable:
@@ -127,10 +137,20 @@ def rope_tables(seq: int, cfg: ModelConfig) -> dict[str, RopeTable]:
             for kind in sorted(set(cfg.resolved_layer_types))}
 
 
+def document_positions(segment_ids: Int[Array, "*batch seq"]) -> Int[Array, "*batch seq"]:
+    """Each token's position within its document: its index minus the index where its segment begins (a segment
+    begins wherever the id differs from the previous token's)."""
+    seq = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
+    first = jnp.ones((*segment_ids.shape[:-1], 1), bool)
+    begins = jnp.concatenate([first, segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+    return index - jax.lax.cummax(jnp.where(begins, index, 0), axis=segment_ids.ndim - 1)
+
+
 def rope(x: Float[Array, "*batch seq heads dim"], table: RopeTable) -> Float[Array, "*batch seq heads dim"]:
     """Rotary embedding, NeoX rotate-half layout, the rotation in float32."""
     x32 = x.astype(jnp.float32)
-    cos, sin = table.cos[:, None, :], table.sin[:, None, :]
+    cos, sin = table.cos[..., :, None, :], table.sin[..., :, None, :]
     return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
 
 
@@ -156,8 +176,8 @@ class Attention(eqx.Module):
             k_norm=RMSNorm.init(kv_width, cfg),
         )
 
-    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool,
-                 table: RopeTable) -> Float[Array, "*batch seq hidden"]:
+    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
+                 segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
         lead = x.shape[:-1]
         # QK-norm over the full projections, before splitting heads and before RoPE.
         q = self.q_norm(self.q_proj(x)).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
@@ -166,7 +186,7 @@ class Attention(eqx.Module):
         q, k = rope(q, table), rope(k, table)
         # A causal window of W keys including the query itself: i-(W-1) <= j <= i.
         out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
-                        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv)
+                        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv, segment_ids=segment_ids)
         return self.o_proj(out.reshape(*lead, cfg.num_attention_heads * cfg.head_dim))
 
 
@@ -206,9 +226,9 @@ class Block(eqx.Module):
             post_feedforward_norm=RMSNorm.init(cfg.hidden_size, cfg),
         )
 
-    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool,
-                 table: RopeTable) -> Float[Array, "*batch seq hidden"]:
-        h = x + self.post_attention_norm(self.attn(x, cfg, sliding, table))
+    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
+                 segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
+        h = x + self.post_attention_norm(self.attn(x, cfg, sliding, table, segment_ids))
         return h + self.post_feedforward_norm(self.mlp(h))
 
 
@@ -249,8 +269,10 @@ class OLMo3(eqx.Module):
             cfg=cfg,
         )
 
-    def hidden(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq hidden"]:
-        """Final-normed hidden states in the compute dtype (the loss unembeds them in chunks)."""
+    def hidden(self, tokens: Int[Array, "*batch seq"],
+               segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
+        """Final-normed hidden states in the compute dtype (the loss unembeds them in chunks). `segment_ids`: each
+        token's document in a packed instance (see the module doc); None: one document per row."""
         cfg = self.cfg
         model = cast_floating(self, DTYPE[cfg.compute_dtype])
         x = model.embed[tokens]
@@ -261,18 +283,21 @@ class OLMo3(eqx.Module):
         groups = cfg.num_hidden_layers // period
         # Outside the scan: each kind's table is computed once, not once per layer.
         tables = rope_tables(tokens.shape[-1], cfg)
+        if segment_ids is not None:
+            positions = document_positions(segment_ids)
+            tables = {kind: table.at(positions) for kind, table in tables.items()}
 
         block_fns: list[Callable] = []
         for kind in types[:period]:
-            def f(blk: Block, h: Array, table: RopeTable, s: bool = kind == SLIDING) -> Array:
-                return blk(h, cfg, s, table)
+            def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
+                return blk(h, cfg, s, table, seg)
             if cfg.remat != "none":
                 f = jax.checkpoint(f, policy=REMAT[cfg.remat])
             block_fns.append(f)
 
         def run_group(x: Array, group: Block) -> Array:
             for j, (f, kind) in enumerate(zip(block_fns, types[:period])):
-                x = f(jax.tree.map(lambda a: a[j], group), x, tables[kind])
+                x = f(jax.tree.map(lambda a: a[j], group), x, tables[kind], segment_ids)
             return x
 
         stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)
@@ -282,9 +307,10 @@ class OLMo3(eqx.Module):
             x = run_group(x, jax.tree.map(lambda a: a[0], stacked))
         return model.norm(x)
 
-    def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
+    def __call__(self, tokens: Int[Array, "*batch seq"],
+                 segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq vocab"]:
         """Logits in float32."""
-        h = self.hidden(tokens)
+        h = self.hidden(tokens, segment_ids)
         w = self.lm_head.weight.astype(h.dtype)
         return jnp.matmul(h, w, preferred_element_type=jnp.float32)
 
