@@ -7,14 +7,17 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3eqx.config import ConfigError, DataConfig
+from olmo3eqx.config import ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.data import DataError, build_train_iterator
-from olmo3eqx.data.packed import best_fit_decreasing, segment_ids
+from olmo3eqx.data.packed import best_fit_decreasing, document_lengths, segment_ids
 from olmo3eqx.loss import label_weights
+from olmo3eqx.sharding import build_layout
+from olmo3eqx.step import make_train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Token file .* is skipped")  # FSL files, packing off
 pytest.importorskip("olmo_core")
@@ -164,3 +167,57 @@ def test_segment_ids_number_documents_and_padding():
 def test_bad_packing_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         DataConfig(**{"packing": True, "seq_len": 64} | change)
+
+
+# --- the train step on packed batches ---------------------------------------------------------------
+
+STEP_MODEL = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         eos_token_id=EOS, pad_token_id=PAD, compute_dtype="float32")
+STEP_SEQ = 32
+
+
+def packed_batch(seed: int) -> dict[str, np.ndarray]:
+    """BATCH instances of several EOS-terminated documents each, then padding (the last one none)."""
+    rng = np.random.default_rng(seed)
+    tokens = np.full((BATCH, STEP_SEQ), PAD, np.int32)
+    label_mask = np.zeros((BATCH, STEP_SEQ), bool)
+    for row in range(BATCH):
+        used = STEP_SEQ if row == BATCH - 1 else int(rng.integers(STEP_SEQ // 2, STEP_SEQ))
+        tokens[row, :used] = rng.integers(EOS + 1, STEP_MODEL.vocab_size, used)
+        tokens[row, rng.choice(used - 1, 3, replace=False)] = EOS
+        label_mask[row, :used] = True
+    doc_lens = [document_lengths(t, EOS) for t in tokens]
+    padded = np.zeros((BATCH, max(x.size for x in doc_lens)), np.int32)
+    for row, x in enumerate(doc_lens):
+        padded[row, :x.size] = x
+    return {"tokens": tokens, "mask": np.ones(BATCH, np.float32), "label_mask": label_mask,
+            "segment_ids": segment_ids(padded, STEP_SEQ)}
+
+
+def first_step_losses(mesh: MeshConfig, devices: int, batches: list[dict]) -> tuple[list[float], int]:
+    """(train/loss of the first step from the initial state on each batch, accumulation steps)."""
+    cfg = TrainConfig(steps=3, model=STEP_MODEL, mesh=mesh, optim=OptimConfig(lr=1e-3, warmup_steps=1),
+                      data=DataConfig(seq_len=STEP_SEQ, global_batch=BATCH, packing=True))
+    layout = build_layout(cfg, jax.devices()[:devices])
+    step = make_train_step(cfg, layout)
+    losses = [float(step(layout.init_state(cfg), *layout.put_batch(b))[1]["train/loss"]) for b in batches]
+    return losses, layout.plan.accum_steps
+
+
+def test_packed_loss_is_the_global_token_mean_over_olmo_core_s_labels():
+    """train/loss on 4 devices with accumulation 2 = torch's cross-entropy mean over OLMo-core's non-ignored labels
+    (get_labels) of the document-masked logits of the same initial model, on one device."""
+    import torch
+    batch = packed_batch(0)
+    unmasked = dict(batch, label_mask=np.ones_like(batch["label_mask"]))
+    (loss, loss_unmasked), accum = first_step_losses(MeshConfig(fsdp=4, max_per_device_batch=1), 4, [batch, unmasked])
+    assert accum == 2
+    cfg = TrainConfig(model=STEP_MODEL, data=DataConfig(seq_len=STEP_SEQ, global_batch=BATCH, packing=True))
+    model = build_layout(cfg, jax.devices()[:1]).init_state(cfg).model
+    logits = np.array(model(jnp.asarray(batch["tokens"]), segment_ids=jnp.asarray(batch["segment_ids"])), np.float32)
+    labels = get_labels({"input_ids": _torch(batch["tokens"]).long(), "label_mask": _torch(batch["label_mask"])})
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(logits).flatten(0, 1), labels.flatten(),
+                                            ignore_index=-100, reduction="mean")
+    assert loss == pytest.approx(float(ref), rel=1e-5)
+    assert abs(loss_unmasked - loss) > 1e-3  # without the label mask the padding would count: another mean

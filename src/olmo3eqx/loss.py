@@ -83,7 +83,7 @@ def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b 
               segment_ids: Int[Array, "b s"] | None = None) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1];
     `segment_ids` (packed batches) keep attention within each document."""
-    hidden = model.hidden(tokens) if segment_ids is None else model.hidden(tokens, segment_ids=segment_ids)
+    hidden = model.hidden(tokens, segment_ids=segment_ids)
     ce, z = token_losses(hidden, model.lm_head.weight, next_token_labels(tokens), z_loss)
     return jnp.sum(ce * weights), jnp.sum(z * weights)
 
