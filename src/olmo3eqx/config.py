@@ -187,7 +187,7 @@ class DataConfig:
     """Training token files (.npy memmaps) or globs; empty (and no mix) means the embedded default corpus."""
     mix: str | None = None
     """Train on an OLMo-core data mix instead of paths: a mix shipped with olmo3eqx (OLMo-mix-0625-official,
-    OLMo-midtraining-mix-0625-100B) or a mix file of label,path lines; its files are read under mix_root, numbered
+    OLMo-midtraining-mix-0625-100B, OLMo-longmino-mix-0625) or a mix file of label,path lines; its files are read under mix_root, numbered
     in mix order as OLMo-core numbers them (README "AI2's data mixes")."""
     mix_root: str | None = None
     """Directory holding the mixes' files (a local copy or mounted bucket of https://olmo-data.org)."""

@@ -34,8 +34,10 @@ TOKENIZER_IDS = {
     "OLMo-longmino-mix-0925": "allenai/dolma3-tokenizer",
 }
 """Mix name -> the id `{TOKENIZER}` becomes, for the dolma2 tokenizer; a mix file is known by its file name."""
-SHIPPED = ("OLMo-mix-0625-official", "OLMo-midtraining-mix-0625-100B", "v3-small-ppl-validation")
-"""The mixes whose lists ship with the package: stage 1, stage 2, and the held-out perplexity sets."""
+SHIPPED = ("OLMo-mix-0625-official", "OLMo-midtraining-mix-0625-100B", "OLMo-longmino-mix-0625",
+           "v3-small-ppl-validation")
+"""The mixes whose lists ship with the package: stage 1, stage 2, stage 3 (long context), and the held-out
+perplexity sets."""
 
 
 @dataclass(frozen=True)
