@@ -413,18 +413,23 @@ COMPUTE_ONLY_FIELDS = ("remat", "attention_impl", "attention_block_q", "attentio
                        "compute_dtype", "max_position_embeddings")
 
 
-def model_config_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
+INIT_FROM_CHANGEABLE = ("rope_scaling",)
+"""Fields a run started from a checkpoint (init_from) may also change: the long-context stage switches YaRN on
+over weights trained with plain RoPE. A resumed run keeps them."""
+
+
+def model_config_mismatch(saved: ModelConfig, current: ModelConfig, allow: tuple[str, ...] = ()) -> list[str]:
     def value(cfg: ModelConfig, name: str):
         # layer_types None is OLMo's rule spelled out: a converted config.json lists it, a preset leaves it unset.
         return cfg.resolved_layer_types if name == "layer_types" else getattr(cfg, name)
 
     return [f"{f.name} (checkpoint {value(saved, f.name)!r}, config {value(current, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)
-            if f.name not in COMPUTE_ONLY_FIELDS and value(saved, f.name) != value(current, f.name)]
+            if f.name not in COMPUTE_ONLY_FIELDS + allow and value(saved, f.name) != value(current, f.name)]
 
 
-def check_model_config(saved: dict, current: ModelConfig, where: str) -> None:
-    diff = model_config_mismatch(model_config_from_dict(saved, where), current)
+def check_model_config(saved: dict, current: ModelConfig, where: str, allow: tuple[str, ...] = ()) -> None:
+    diff = model_config_mismatch(model_config_from_dict(saved, where), current, allow)
     if diff:
         raise ConfigError(f"The model config differs from checkpoint {where} in {', '.join(diff)}; use the "
                           f"checkpoint's values or start a new run (a new run.name).")
@@ -436,7 +441,7 @@ def init_from(path: str | Path, fresh, target, *, with_optimizer: bool):
     Checkpointer.restore."""
     root, step = resolve_step_dir(path)
     where = str(root / str(step))
-    check_model_config(read_config(root, step), fresh.model.cfg, where)
+    check_model_config(read_config(root, step), fresh.model.cfg, where, allow=INIT_FROM_CHANGEABLE)
     parts = ("model", "opt_state") if with_optimizer else ("model",)
     if with_optimizer and "opt_state" not in saved_parts(root, step):
         raise FileNotFoundError(f"Checkpoint {where} has no optimizer state (a converted checkpoint has weights "
