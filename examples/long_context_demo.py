@@ -3,7 +3,7 @@ with packed documents, document masking and YaRN on the full-attention layers (f
 and moments), as configs/olmo3-7b-stage3.yaml extends the 7B. Prints the held-out loss at the long and the short
 length before (the stage-1 model as trained, and the same weights with YaRN switched on) and after the extension.
 
-    python examples/long_context_demo.py [--out runs/long-context-demo] [--stage1-steps 120] [--stage3-steps 60]
+    python examples/long_context_demo.py [--out runs/long-context-demo] [--stage1-steps 80] [--stage3-steps 40]
 
 Both stages run through train.py; the held-out set is the embedded corpus's held-out split (contiguous windows of
 byte tokens that cross documents, so long-range context helps), the same instances for every model.
@@ -47,6 +47,7 @@ def stage3_flags(out: Path, steps: int) -> list[str]:
 
 def heldout_loss(model, seq_len: int) -> float:
     """Mean next-token cross-entropy (nats per token) of `model` over the first HELDOUT_TOKENS held-out tokens."""
+    import equinox as eqx
     import jax.numpy as jnp
     import numpy as np
 
@@ -57,15 +58,15 @@ def heldout_loss(model, seq_len: int) -> float:
     source = TokenSource(heldout_files(DataConfig()), seq_len=seq_len, vocab_size=model.cfg.vocab_size)
     tokens = jnp.asarray(source.read(np.arange(HELDOUT_TOKENS // seq_len)))
     weights = label_weights(tokens, jnp.ones(tokens.shape[0]))
-    ce, _ = loss_sums(model, tokens, weights, 0.0)
+    ce, _ = eqx.filter_jit(loss_sums)(model, tokens, weights, 0.0)
     return float(ce / jnp.sum(weights))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "long-context-demo")
-    parser.add_argument("--stage1-steps", type=int, default=120)
-    parser.add_argument("--stage3-steps", type=int, default=60)
+    parser.add_argument("--stage1-steps", type=int, default=80)
+    parser.add_argument("--stage3-steps", type=int, default=40)
     args = parser.parse_args(argv)
     train(args.out, "stage1", ["--steps", str(args.stage1_steps), "--checkpoint.every", str(args.stage1_steps)])
     train(args.out, "stage3", stage3_flags(args.out, args.stage3_steps))
