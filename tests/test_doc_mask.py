@@ -90,6 +90,10 @@ def test_document_positions_restart_at_each_document():
     np.testing.assert_array_equal(np.asarray(document_positions(seg)), want)
 
 
+def logits(model, tokens, segment_ids=None):
+    return jax.jit(lambda m, t, s: m(t, s))(model, tokens, segment_ids)
+
+
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, sliding_window=6, eos_token_id=1, pad_token_id=2,
                     compute_dtype="float32")
@@ -97,24 +101,21 @@ MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hid
 
 @pytest.mark.parametrize("impl", ["blocked", "xla"])
 def test_packed_documents_give_their_logits_alone(impl):
-    """Two documents and padding packed into one row: each document's logits equal the model run on it alone
-    (needs both the mask and per-document RoPE positions)."""
+    """Documents A (11 tokens) and B (15) and padding (6) packed as A B pad in row 0 and B A pad in row 1: each
+    document's logits are the same in either place, so equal to the model on that document alone (a row's prefix is
+    the document alone: causality); this needs both the mask and per-document RoPE positions. Row 2 (row 0's tokens,
+    one segment) equals the model without segment ids, and differs from row 0 where B would see A."""
     model = init_model(dataclasses.replace(MODEL, attention_impl=impl), jax.random.key(0))
-    lengths = [11, 15, 6]  # doc, doc, padding
-    tokens = jax.random.randint(jax.random.key(1), (sum(lengths),), 3, MODEL.vocab_size)
-    tokens = tokens.at[26:].set(MODEL.pad_token_id)
-    packed = np.asarray(model(tokens, segment_ids=jnp.asarray(segments(lengths))))
-    for a, b in ((0, 11), (11, 26)):
-        np.testing.assert_allclose(packed[a:b], np.asarray(model(tokens[a:b])), atol=2e-5, rtol=1e-5)
-    # Without the segments the second document sees the first: different logits.
-    assert np.abs(np.asarray(model(tokens))[11:26] - packed[11:26]).max() > 1e-3
-
-
-def test_one_segment_equals_no_segments():
-    model = init_model(MODEL, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 29), 0, MODEL.vocab_size)
-    np.testing.assert_allclose(np.asarray(model(tokens, segment_ids=jnp.zeros((2, 29), jnp.int32))),
-                               np.asarray(model(tokens)), atol=2e-5, rtol=1e-5)
+    doc_a, doc_b = (jax.random.randint(jax.random.key(i), (n,), 3, MODEL.vocab_size) for i, n in ((1, 11), (2, 15)))
+    pad = jnp.full((6,), MODEL.pad_token_id)
+    tokens = jnp.stack([jnp.concatenate(x) for x in ((doc_a, doc_b, pad), (doc_b, doc_a, pad), (doc_a, doc_b, pad))])
+    seg = jnp.asarray(np.stack([segments([11, 15, 6]), segments([15, 11, 6]), segments([32])]))
+    out = np.asarray(logits(model, tokens, seg))
+    np.testing.assert_allclose(out[0, 11:26], out[1, :15], atol=2e-5, rtol=1e-5)  # B second == B alone
+    np.testing.assert_allclose(out[1, 15:26], out[0, :11], atol=2e-5, rtol=1e-5)  # A second == A alone
+    unmasked = np.asarray(logits(model, tokens))
+    np.testing.assert_allclose(out[2], unmasked[2], atol=2e-5, rtol=1e-5)
+    assert np.abs(unmasked[0, 11:26] - out[0, 11:26]).max() > 1e-3  # without segments B sees A
 
 
 # Splash (Pallas, interpret mode on CPU: slow, so the smallest shapes with several 128-blocks).
@@ -187,5 +188,5 @@ def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path):
     with torch.no_grad():
         want = ref(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions).long(),
                    use_cache=False).logits.numpy()  # no cache: the packed mask needs none
-    got = np.asarray(model(jnp.asarray(tokens, jnp.int32), segment_ids=jnp.asarray(seg)))
+    got = np.asarray(logits(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(seg)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
