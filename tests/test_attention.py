@@ -17,8 +17,9 @@ from olmo3eqx.config import ModelConfig
 from olmo3eqx.model import init_model
 
 
-def reference(q, k, v, window):
-    """float64 numpy: query i sees keys j with i - W + 1 <= j <= i (all j <= i when window is None)."""
+def reference(q, k, v, window, seg=None):
+    """float64 numpy: query i sees keys j with i - W + 1 <= j <= i (all j <= i when window is None), and with
+    `seg` (each position's document) only keys of its own document."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     seq, heads, dim = q.shape
     k = np.repeat(k, heads // k.shape[1], axis=1)
@@ -26,6 +27,8 @@ def reference(q, k, v, window):
     s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(dim)
     i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
     allowed = (j <= i) & ((i - j < window) if window is not None else True)
+    if seg is not None:
+        allowed &= seg[:, None] == seg[None, :]
     s = np.where(allowed, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

@@ -16,27 +16,12 @@ import pytest
 from olmo3eqx.attention import DocumentMaskError, attention, resolve
 from olmo3eqx.config import ModelConfig
 from olmo3eqx.model import document_positions, init_model
-from test_attention import inputs
+from test_attention import inputs, reference
 
 
 def segments(lengths: list[int]) -> np.ndarray:
     """Segment ids of documents of `lengths` packed in order: 0, 0, 1, 1, 1, 2, ..."""
     return np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
-
-
-def reference(q, k, v, window, seg):
-    """float64 numpy: query i sees key j iff j <= i, i - j < W (sliding) and seg[i] == seg[j]."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    seq, heads, dim = q.shape
-    k = np.repeat(k, heads // k.shape[1], axis=1)
-    v = np.repeat(v, heads // v.shape[1], axis=1)
-    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(dim)
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-    allowed = (j <= i) & ((i - j < window) if window is not None else True) & (seg[:, None] == seg[None, :])
-    s = np.where(allowed, s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v)
 
 
 # (heads, kv_heads, dim, window, document lengths): the last "document" plays the padding (an id of its own)
@@ -105,6 +90,10 @@ def test_document_positions_restart_at_each_document():
     np.testing.assert_array_equal(np.asarray(document_positions(seg)), want)
 
 
+def logits(model, tokens, segment_ids=None):
+    return jax.jit(lambda m, t, s: m(t, s))(model, tokens, segment_ids)
+
+
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, sliding_window=6, eos_token_id=1, pad_token_id=2,
                     compute_dtype="float32")
@@ -112,21 +101,92 @@ MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hid
 
 @pytest.mark.parametrize("impl", ["blocked", "xla"])
 def test_packed_documents_give_their_logits_alone(impl):
-    """Two documents and padding packed into one row: each document's logits equal the model run on it alone
-    (needs both the mask and per-document RoPE positions)."""
+    """Documents A (11 tokens) and B (15) and padding (6) packed as A B pad in row 0 and B A pad in row 1: each
+    document's logits are the same in either place, so equal to the model on that document alone (a row's prefix is
+    the document alone: causality); this needs both the mask and per-document RoPE positions. Row 2 (row 0's tokens,
+    one segment) equals the model without segment ids, and differs from row 0 where B would see A."""
     model = init_model(dataclasses.replace(MODEL, attention_impl=impl), jax.random.key(0))
-    lengths = [11, 15, 6]  # doc, doc, padding
-    tokens = jax.random.randint(jax.random.key(1), (sum(lengths),), 3, MODEL.vocab_size)
-    tokens = tokens.at[26:].set(MODEL.pad_token_id)
-    packed = np.asarray(model(tokens, segment_ids=jnp.asarray(segments(lengths))))
-    for a, b in ((0, 11), (11, 26)):
-        np.testing.assert_allclose(packed[a:b], np.asarray(model(tokens[a:b])), atol=2e-5, rtol=1e-5)
-    # Without the segments the second document sees the first: different logits.
-    assert np.abs(np.asarray(model(tokens))[11:26] - packed[11:26]).max() > 1e-3
+    doc_a, doc_b = (jax.random.randint(jax.random.key(i), (n,), 3, MODEL.vocab_size) for i, n in ((1, 11), (2, 15)))
+    pad = jnp.full((6,), MODEL.pad_token_id)
+    tokens = jnp.stack([jnp.concatenate(x) for x in ((doc_a, doc_b, pad), (doc_b, doc_a, pad), (doc_a, doc_b, pad))])
+    seg = jnp.asarray(np.stack([segments([11, 15, 6]), segments([15, 11, 6]), segments([32])]))
+    out = np.asarray(logits(model, tokens, seg))
+    np.testing.assert_allclose(out[0, 11:26], out[1, :15], atol=2e-5, rtol=1e-5)  # B second == B alone
+    np.testing.assert_allclose(out[1, 15:26], out[0, :11], atol=2e-5, rtol=1e-5)  # A second == A alone
+    unmasked = np.asarray(logits(model, tokens))
+    np.testing.assert_allclose(out[2], unmasked[2], atol=2e-5, rtol=1e-5)
+    assert np.abs(unmasked[0, 11:26] - out[0, 11:26]).max() > 1e-3  # without segments B sees A
 
 
-def test_one_segment_equals_no_segments():
-    model = init_model(MODEL, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 29), 0, MODEL.vocab_size)
-    np.testing.assert_allclose(np.asarray(model(tokens, segment_ids=jnp.zeros((2, 29), jnp.int32))),
-                               np.asarray(model(tokens)), atol=2e-5, rtol=1e-5)
+# Splash (Pallas, interpret mode on CPU: slow, so the smallest shapes with several 128-blocks).
+SPLASH_CASES = [
+    (8, 2, 32, 37, [90, 70, 40]),  # sliding, GQA, 200 padded to 256; a boundary inside a block, the window over it
+    (4, 4, 32, None, [130, 126]),  # global, the boundary just past the first block
+]
+
+
+def splash(window, seg):
+    return jax.jit(lambda q, k, v: attention(q, k, v, window=window, impl="splash", block_q=128, block_kv=128,
+                                             segment_ids=seg))
+
+
+@pytest.mark.parametrize("case", SPLASH_CASES, ids=str)
+def test_splash_segments_match_the_reference_and_block_gradients(case):
+    heads, kv_heads, dim, window, lengths = case
+    seg = segments(lengths)
+    q, k, v = inputs(len(seg), heads, kv_heads, dim)
+    np.testing.assert_allclose(np.asarray(splash(window, jnp.asarray(seg))(q, k, v)),
+                               reference(q, k, v, window, seg), atol=2e-6, rtol=2e-5)
+    a, b = lengths[0], lengths[0] + lengths[1]
+    cot = jax.random.normal(jax.random.key(7), q.shape).at[:a].set(0).at[b:].set(0)  # out[document 1] only
+
+    def grads(impl):
+        fn = lambda q, k, v: jnp.sum(attention(q, k, v, window=window, impl=impl, block_q=128, block_kv=128,  # noqa: E731
+                                               segment_ids=jnp.asarray(seg)) * cot)
+        return jax.jit(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v)
+
+    for ours, theirs in zip(grads("splash"), grads("xla")):
+        ours = np.asarray(ours)
+        assert np.all(ours[:a] == 0) and np.all(ours[b:] == 0)
+        np.testing.assert_allclose(ours, np.asarray(theirs), atol=2e-5, rtol=1e-4)
+
+
+def test_splash_segments_under_a_mesh():
+    """The segment ids are split over the batch axes with q, k, v in splash's shard_map."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+    from olmo3eqx.sharding import AXES, BATCH_AXES, on_mesh
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), AXES, axis_types=(AxisType.Auto,) * 3)
+    seg = jnp.asarray(np.stack([segments(x) for x in ([60, 140], [200], [1, 199], [100, 50, 50])]))
+    q, k, v = (jnp.stack([x, x * 0.5 + 1, -x, x * 2]) for x in inputs(200, 8, 2, 32))
+    batch = NamedSharding(mesh, P(BATCH_AXES))
+    q, k, v, seg = (jax.device_put(x, batch) for x in (q, k, v, seg))
+    out = jax.jit(on_mesh(mesh, lambda q, k, v, s: attention(q, k, v, window=37, impl="splash", block_q=128,
+                                                            block_kv=128, segment_ids=s)))(q, k, v, seg)
+    want = attention(q, k, v, window=37, impl="xla", segment_ids=seg)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=2e-5)
+
+
+def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path):
+    """transformers packs by position_ids that restart at 0 (masking_utils.find_packed_sequence_indices: a
+    block-diagonal mask, and those positions for RoPE): a random `transformers` Olmo3 (sliding window 12 < the
+    documents, GQA) converted to ours gives its logits on packed rows with segment ids."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from olmo3eqx import hf
+    from olmo3eqx.tools.convert import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, seed=0, num_hidden_layers=4, sliding_window=12)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                            attn_implementation="sdpa").eval()
+    model, cfg = hf.load_hf(tmp_path)
+    model = dataclasses.replace(model, cfg=dataclasses.replace(cfg, attention_impl="blocked"))
+    seg = np.stack([segments([20, 33, 27]), segments([50, 30])])
+    positions = np.asarray(document_positions(jnp.asarray(seg)))
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, seg.shape)
+    with torch.no_grad():
+        want = ref(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions).long(),
+                   use_cache=False).logits.numpy()  # no cache: the packed mask needs none
+    got = np.asarray(logits(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(seg)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5 * np.abs(want).max())

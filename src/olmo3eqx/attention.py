@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from olmo3eqx.config import SPLASH_LANES, AttentionImpl
+from olmo3eqx.config import SPLASH_LANES, AttentionImpl, ConfigError
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
@@ -66,8 +66,8 @@ PAD_SEGMENT = -1
 sees itself (no all-masked row) and no real query sees padding."""
 
 
-class DocumentMaskError(ValueError):
-    """A backend that cannot mask documents was asked to."""
+class DocumentMaskError(ConfigError):
+    """A backend that cannot mask documents was asked to (a ConfigError: the commands stop with exit code 2)."""
 
 
 def target_device() -> tuple[str, str]:
