@@ -4,6 +4,10 @@ and moments), as configs/olmo3-7b-stage3.yaml extends the 7B. Prints the held-ou
 length before (the stage-1 model as trained, and the same weights with YaRN switched on) and after the extension.
 
     python examples/long_context_demo.py [--out runs/long-context-demo] [--stage1-steps 80] [--stage3-steps 40]
+                                         [--control]
+
+--control also continues stage 1 for as many steps at 256 with the same tokens per step and schedule, plain
+RoPE, no packing: what the same compute buys without the extension.
 
 Both stages run through train.py; the held-out set is the embedded corpus's held-out split (contiguous windows of
 byte tokens that cross documents, so long-range context helps), the same instances for every model.
@@ -34,15 +38,20 @@ def train(out: Path, name: str, flags: list[str]) -> None:
     subprocess.run(cmd, check=True)
 
 
-def stage3_flags(out: Path, steps: int) -> list[str]:
+def continue_flags(out: Path, steps: int) -> list[str]:
+    """From the stage-1 checkpoint (weights and moments): warmup then linear to 0, one checkpoint at the end."""
     return ["--steps", str(steps), "--init-from", str(out / "stage1" / "checkpoints"), "--init-optimizer",
-            "--data.packing", "--data.seq-len", str(LONG), "--data.global-batch", str(16 * SHORT // LONG),
-            "--model.max-position-embeddings", str(LONG), "--model.rope-scaling.rope-type", "yarn",
-            "--model.rope-scaling.factor", str(YARN_FACTOR),
-            "--model.rope-scaling.original-max-position-embeddings", str(SHORT),
-            "--model.rope-scaling.attention-factor", str(0.1 * math.log(YARN_FACTOR) + 1),
             "--optim.lr", "1e-3", "--optim.warmup-steps", "10", "--optim.schedule", "linear",
             "--optim.final-lr-ratio", "0", "--checkpoint.every", str(steps)]
+
+
+def stage3_flags(out: Path, steps: int) -> list[str]:
+    return continue_flags(out, steps) + [
+        "--data.packing", "--data.seq-len", str(LONG), "--data.global-batch", str(16 * SHORT // LONG),
+        "--model.max-position-embeddings", str(LONG), "--model.rope-scaling.rope-type", "yarn",
+        "--model.rope-scaling.factor", str(YARN_FACTOR),
+        "--model.rope-scaling.original-max-position-embeddings", str(SHORT),
+        "--model.rope-scaling.attention-factor", str(0.1 * math.log(YARN_FACTOR) + 1)]
 
 
 def heldout_loss(model, seq_len: int) -> float:
@@ -67,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "long-context-demo")
     parser.add_argument("--stage1-steps", type=int, default=80)
     parser.add_argument("--stage3-steps", type=int, default=40)
+    parser.add_argument("--control", action="store_true", help="also continue stage 1 at 256 as long")
     args = parser.parse_args(argv)
     train(args.out, "stage1", ["--steps", str(args.stage1_steps), "--checkpoint.every", str(args.stage1_steps)])
     train(args.out, "stage3", stage3_flags(args.out, args.stage3_steps))
+    if args.control:
+        train(args.out, "control", continue_flags(args.out, args.stage3_steps))
 
     from olmo3eqx import checkpoint
 
@@ -78,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     yarn_only = dataclasses.replace(stage1, cfg=cfg3)  # stage-1 weights, stage 3's RoPE scaling and length
     rows = [("stage 1 (plain RoPE, trained at 256)", stage1), ("stage 1 weights + YaRN x4, no training", yarn_only),
             (f"stage 3 ({args.stage3_steps} steps at {LONG}, packed, YaRN x4)", stage3)]
+    if args.control:
+        rows.append((f"control: stage 1 + {args.stage3_steps} steps at {SHORT}, plain RoPE",
+                     checkpoint.load_model(args.out / "control" / "checkpoints")[0]))
     print(f"\nheld-out loss (nats/token, {HELDOUT_TOKENS:,} held-out tokens of the default corpus)")
     print(f"| model | at {LONG} (long) | at {SHORT} (short) |")
     print("|---|---|---|")
