@@ -6,6 +6,7 @@ of the ai2-olmo-core package); each names its file and variable. Defaults the sc
 installed package (SkipStepAdamWConfig, CosWithWarmup).
 """
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -117,3 +118,42 @@ def test_decay_groups_are_olmo_cores():
     assert sum(size for path, size in sizes.items() if decided[path]) == sum(
         p.numel() for g in decayed for p in g["params"])
     assert sum(sizes.values()) == sum(p.numel() for p in oc.parameters())
+
+
+# OLMo-3-1025-7B-long-context.py (stage 3; ../shared/OLMO_CORE.md section 3) and AI2's internal
+# src/scripts/train/OLMo3/OLMo3-7B-long-context.py, whose MAX_TOKENS = 50e9 is the real run's length
+LONG_SEQUENCE_LENGTH = 65536  # SEQUENCE_LENGTH
+LONG_GLOBAL_BATCH_TOKENS = 64 * 65536  # GLOBAL_BATCH_SIZE
+LONG_MAX_TOKENS = 50_000_000_000  # internal MAX_TOKENS (the published max_duration is stage 1's, copy-pasted)
+LONG_LR = 2.0712e-4  # LR
+LONG_WARMUP = 200  # LinearWithWarmup(warmup=200, alpha_f=0.0)
+LONG_DATA_SEED = 4123  # internal script (the published one says 34521)
+LONG_SOURCE_GROUP_SIZE, LONG_PERMUTATION_SEED = 8, 123  # NumpyPackedFSLDatasetConfig
+LONG_YARN = dict(factor=8.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=8192)
+
+
+def test_stage3_preset_is_long_context_script():
+    from olmo_core.optim import LinearWithWarmup
+
+    from olmo3eqx.optim import lr_schedule
+
+    cfg = load_yaml(CONFIGS / "olmo3-7b-stage3.yaml")
+    check_optimizer(cfg.optim, LONG_LR)
+    assert cfg.data.seq_len == LONG_SEQUENCE_LENGTH
+    assert cfg.data.seq_len * cfg.data.global_batch == LONG_GLOBAL_BATCH_TOKENS
+    assert cfg.steps == math.ceil(LONG_MAX_TOKENS / LONG_GLOBAL_BATCH_TOKENS) == 11921
+    assert (cfg.data.mix, cfg.data.packing, cfg.data.order) == ("OLMo-longmino-mix-0625", True, "olmo-core")
+    assert (cfg.data.source_group_size, cfg.data.source_permutation_seed) == (LONG_SOURCE_GROUP_SIZE,
+                                                                              LONG_PERMUTATION_SEED)
+    assert cfg.data.seed == LONG_DATA_SEED
+    assert cfg.init_from == "runs/olmo3-7b-stage2/checkpoints" and cfg.init_optimizer
+    r = cfg.model.rope_scaling
+    assert r.rope_type == "yarn" and {k: getattr(r, k) for k in LONG_YARN} == LONG_YARN
+    assert r.attention_factor == pytest.approx(0.1 * math.log(8) + 1)
+    stage2 = load_yaml(CONFIGS / "olmo3-7b-stage2.yaml")
+    assert cfg.model == dataclasses.replace(stage2.model, rope_scaling=r)  # only YaRN is new
+    # The LR of step s (OLMo-core's `current` = s) against OLMo-core's own scheduler.
+    ours = lr_schedule(cfg.optim, cfg.steps)
+    ref = LinearWithWarmup(warmup=LONG_WARMUP, alpha_f=0.0)
+    for s in (1, 100, 199, 200, 201, 5000, 11920, 11921):
+        assert float(ours(s)) == pytest.approx(float(ref.get_lr(LONG_LR, s, cfg.steps)), rel=1e-5, abs=1e-12), s
