@@ -183,7 +183,7 @@ def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path):
     model, cfg = hf.load_hf(tmp_path)
     model = dataclasses.replace(model, cfg=dataclasses.replace(cfg, attention_impl="blocked"))
     seg = np.stack([segments([20, 33, 27]), segments([50, 30])])
-    positions = np.asarray(document_positions(jnp.asarray(seg)))
+    positions = np.array(document_positions(jnp.asarray(seg)))  # a writable copy for torch.from_numpy
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, seg.shape)
     with torch.no_grad():
         want = ref(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions).long(),
