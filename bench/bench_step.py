@@ -2,18 +2,19 @@
 same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
-                               [--malloc glibc,tcmalloc,jemalloc,hugetlb]
+                               [--malloc glibc,glibc-tuned,tcmalloc,jemalloc,hugetlb]
 
 Each contender runs in its own worker process (its own heap and allocator; the others wait, idle). `--malloc` names
 the host allocators every contender (ours and torch) is timed under, each in processes of its own: `glibc` (the C
-library's malloc), `tcmalloc` (preloaded, as `python train.py` does on CPU hosts: olmo3eqx/tools/hostmem.py), `jemalloc`
-(preloaded, with `oversize_threshold:0` so large blocks are cached too) and `hugetlb` (glibc with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge pages). The default is glibc and tcmalloc; a preloaded
-allocator that is not installed is left out with a note. Why it matters: XLA's CPU runtime mallocs each step's
-temporary buffer (GiBs) and frees it after the step, and glibc returns a block that large to the kernel, so every
-step faults it in again (README "Performance"). The `vs fastest torch` column compares with the fastest torch
-contender. The ceiling printed per config is the tokens/s at 100% MFU (the measured matmul peak over the FLOPs per
-token): no implementation can pass it without skipping work.
+library's malloc as it comes), `glibc-tuned` (GLIBC_TUNABLES with one arena, no mmap, no trim: what `python
+train.py` runs under on a CPU host without tcmalloc, i.e. a fresh machine: olmo3eqx/tools/hostmem.py), `tcmalloc`
+(preloaded, as train.py does where it is installed), `jemalloc` (preloaded, with `oversize_threshold:0` so large
+blocks are cached too) and `hugetlb` (glibc with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge pages). The
+default is glibc, glibc-tuned and tcmalloc; a preloaded allocator that is not installed is left out with a note. Why
+it matters: XLA's CPU runtime mallocs each step's temporary buffer (GiBs) and frees it after the step, and glibc
+returns a block that large to the kernel, so every step faults it in again (README "Performance"). The `vs fastest
+torch` column compares with the fastest torch contender. The ceiling printed per config is the tokens/s at 100% MFU
+(the measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
@@ -158,6 +159,7 @@ class Worker:
 
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+MALLOCS = ("glibc", "glibc-tuned", "tcmalloc", "jemalloc", "hugetlb")
 
 
 def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
@@ -170,6 +172,8 @@ def malloc_env(name: str, env: dict[str, str]) -> dict[str, str] | None:
     """The environment that runs a worker under allocator `name` (see the module doc); None if not installed."""
     if name == "glibc":
         return env
+    if name == "glibc-tuned":
+        return hostmem.tuned_glibc_env(env)
     if name == "hugetlb":
         return with_huge_pages(env)
     if name == "tcmalloc":
@@ -178,7 +182,7 @@ def malloc_env(name: str, env: dict[str, str]) -> dict[str, str] | None:
     if name == "jemalloc":
         library = ctypes.util.find_library("jemalloc")
         return hostmem.preload_env(env, library) if library else None
-    raise SystemExit(f"error: --malloc {name!r}: choose from glibc, tcmalloc, jemalloc, hugetlb")
+    raise SystemExit(f"error: --malloc {name!r}: choose from {', '.join(MALLOCS)}")
 
 
 def contender_specs(args, env: dict[str, str]) -> dict[str, tuple[dict, dict[str, str]]]:
@@ -229,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--malloc", default="glibc,tcmalloc",
-                    help="comma-separated host allocators to time every contender under: glibc, tcmalloc, jemalloc, "
-                         f"hugetlb (glibc with GLIBC_TUNABLES={HUGE_PAGES})")
+    ap.add_argument("--malloc", default="glibc,glibc-tuned,tcmalloc",
+                    help=f"comma-separated host allocators to time every contender under: {', '.join(MALLOCS)} "
+                         f"(hugetlb: glibc with GLIBC_TUNABLES={HUGE_PAGES})")
     ap.add_argument("--json", help="where to write the results (default bench/results/step.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
