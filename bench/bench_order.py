@@ -143,14 +143,18 @@ def loader_rate(paths: list[str], order: str, index_dir: Path, seconds: float) -
                      global_batch=GLOBAL_BATCH, num_threads=1, prefetch=4)
     it = build_train_iterator(cfg, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, seed=SEED, shard_index=0,
                               shard_count=HOSTS, vocab_size=VOCAB, index_dir=index_dir)
+    # At most half of this host's share of epoch 1, however fast the loader runs here: the prefetch reads ahead, and
+    # crossing into epoch 2 would time an index build.
+    instances = sum(os.path.getsize(p) // 4 // SEQ_LEN for p in paths)
+    budget = instances // GLOBAL_BATCH * (GLOBAL_BATCH // HOSTS) // 2
     for _ in range(4):
         next(it)
     n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < seconds and n < budget:
         n += next(it)["tokens"].shape[0]
     rate = n / (time.perf_counter() - start)
     if it.epoch:
-        raise SystemExit(f"the {order} row crossed an epoch boundary: raise LISTINGS or lower --seconds")
+        raise SystemExit(f"the {order} row crossed an epoch boundary: raise LISTINGS")
     return rate
 
 
