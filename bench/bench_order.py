@@ -138,6 +138,7 @@ def write_tokens(out: Path, gib: float, listings: int) -> list[str]:
 def loader_rate(paths: list[str], order: str, index_dir: Path, seconds: float) -> float:
     from olmo3eqx.config import DataConfig
     from olmo3eqx.data import build_train_iterator
+    from olmo3eqx.data.source import instances_in
 
     cfg = DataConfig(paths=tuple(paths), token_dtype="uint32", order=order, seq_len=SEQ_LEN,
                      global_batch=GLOBAL_BATCH, num_threads=1, prefetch=4)
@@ -145,7 +146,7 @@ def loader_rate(paths: list[str], order: str, index_dir: Path, seconds: float) -
                               shard_count=HOSTS, vocab_size=VOCAB, index_dir=index_dir)
     # At most half of this host's share of epoch 1, however fast the loader runs here: the prefetch reads ahead, and
     # crossing into epoch 2 would time an index build.
-    instances = sum(os.path.getsize(p) // 4 // SEQ_LEN for p in paths)
+    instances = sum(instances_in(os.path.getsize(p) // np.dtype(np.uint32).itemsize, SEQ_LEN, None) for p in paths)
     budget = instances // GLOBAL_BATCH * (GLOBAL_BATCH // HOSTS) // 2
     for _ in range(4):
         next(it)

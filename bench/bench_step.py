@@ -158,14 +158,8 @@ class Worker:
             self.proc.wait()
 
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
+HUGE_PAGES = {"glibc.malloc.hugetlb": "1"}
 MALLOCS = ("glibc", "glibc-tuned", "tcmalloc", "jemalloc", "hugetlb")
-
-
-def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
-    """`env` with glibc's transparent-huge-page tunable appended to GLIBC_TUNABLES (glibc >= 2.35)."""
-    current = env.get("GLIBC_TUNABLES", "")
-    return {**env, "GLIBC_TUNABLES": f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES}
 
 
 def malloc_env(name: str, env: dict[str, str]) -> dict[str, str] | None:
@@ -175,7 +169,7 @@ def malloc_env(name: str, env: dict[str, str]) -> dict[str, str] | None:
     if name == "glibc-tuned":
         return hostmem.tuned_glibc_env(env)
     if name == "hugetlb":
-        return with_huge_pages(env)
+        return hostmem.with_tunables(env, HUGE_PAGES)  # transparent huge pages (glibc >= 2.35)
     if name == "tcmalloc":
         library = hostmem.find_tcmalloc()
         return hostmem.preload_env(env, library) if library else None
@@ -235,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--malloc", default="glibc,glibc-tuned,tcmalloc",
                     help=f"comma-separated host allocators to time every contender under: {', '.join(MALLOCS)} "
-                         f"(hugetlb: glibc with GLIBC_TUNABLES={HUGE_PAGES})")
+                         f"(hugetlb: glibc with GLIBC_TUNABLES=glibc.malloc.hugetlb=1)")
     ap.add_argument("--json", help="where to write the results (default bench/results/step.json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

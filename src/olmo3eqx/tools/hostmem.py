@@ -105,10 +105,16 @@ def tunables(env: Mapping[str, str]) -> dict[str, str]:
     return dict(pairs)
 
 
-def tuned_glibc_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` with GLIBC_TUNED added to its GLIBC_TUNABLES; tunables already set in `env` win."""
-    merged = {**GLIBC_TUNED, **tunables(env)}
+def with_tunables(env: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
+    """`env` with `settings` (glibc tunable name -> value) added to its GLIBC_TUNABLES; tunables already set in
+    `env` win."""
+    merged = {**settings, **tunables(env)}
     return {**env, "GLIBC_TUNABLES": ":".join(f"{k}={v}" for k, v in merged.items())}
+
+
+def tuned_glibc_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with GLIBC_TUNED added to its GLIBC_TUNABLES (with_tunables)."""
+    return with_tunables(env, GLIBC_TUNED)
 
 
 def is_tuned(env: Mapping[str, str]) -> bool:
