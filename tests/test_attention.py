@@ -115,6 +115,18 @@ def test_future_keys_have_no_influence():
             assert np.all(np.asarray(jac)[:10 - window + 1] == 0) and np.any(np.asarray(jac)[10 - window + 1] != 0)
 
 
+@pytest.mark.parametrize("window", [None, 4096])
+@pytest.mark.parametrize("documents", [False, True])
+def test_blocked_masks_are_built_in_the_graph(window, documents):
+    """The static causal/window masks are iotas in the graph, not numpy constants: at 8192 tokens those would be
+    ~50 MB of literals in the lowered step (at stage 3's 65,536, ~4 GB, which no compile survives)."""
+    seq = 8192
+    x = jax.ShapeDtypeStruct((seq, 2, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((seq,), jnp.int32) if documents else None
+    lowered = jax.jit(lambda q, k, v, s: blocked_attention(q, k, v, window=window, segment_ids=s)).lower(x, x, x, ids)
+    assert len(lowered.as_text()) < 200_000
+
+
 @pytest.mark.parametrize("impl", ["blocked", "xla"])
 def test_leading_batch_axes_equal_vmap(impl):
     q, k, v = (jnp.stack([x, x * 0.5 + 1]) for x in inputs(37, 8, 2, 16))

@@ -263,6 +263,12 @@ def _same_segment(query_ids: Array, key_ids: Array, groups: int, head_axis: int)
     return jnp.expand_dims(rows[..., :, None] == key_ids[..., None, :], head_axis)
 
 
+def _iota(shape: tuple[int, ...], axis: int) -> Array:
+    """int32 positions along `axis`, built in the graph: the static masks are computed from iotas inside the fused
+    select rather than baked in as numpy constants (a 65K step's masks would be ~4 GB of constants in the HLO)."""
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
 def _softmax_pv(scores: Float[Array, "*b q s"], mask, v_dtype, scale: float):
     scores = jnp.where(mask, scores * scale, MASKED)
     return jax.nn.softmax(scores, axis=-1).astype(v_dtype)
@@ -279,10 +285,11 @@ def _band(qb, k, v, block: int, groups: int, window: int, scale: float, segment_
         xp = jnp.pad(x, pad).reshape(*x.shape[:-2], n + prev, block, x.shape[-1])
         return jnp.concatenate([xp[..., p:p + n, :, :] for p in range(prev + 1)], axis=-2)
 
-    i = np.arange(n)[:, None, None] * block + np.arange(block)[None, :, None]
-    j = (np.arange(n)[:, None, None] - prev) * block + np.arange((prev + 1) * block)[None, None, :]
-    mask = (j >= 0) & (j <= i) & (i - j < window)  # [n, C, (P+1)C]; j < 0 is the front padding
-    mask = np.tile(mask, (1, groups, 1))  # rows are (group, position) pairs, group-major
+    shape = (n, groups * block, (prev + 1) * block)  # rows are (group, position) pairs, group-major
+    blocks = _iota(shape, 0)
+    i = blocks * block + _iota(shape, 1) % block
+    j = (blocks - prev) * block + _iota(shape, 2)
+    mask = (j >= 0) & (j <= i) & (i - j < window)  # j < 0 is the front padding
     if segment_ids is not None:  # [*b, n, C] queries against [*b, n, (P+1)C] keys -> [*b, 1, n, G*C, (P+1)C]
         key_ids = key_blocks(segment_ids[..., None])[..., 0]  # the front padding is masked by j >= 0 already
         query_ids = segment_ids.reshape(*segment_ids.shape[:-1], n, block)
@@ -298,7 +305,8 @@ def _triangle(qb, k, v, block: int, groups: int, scale: float, segment_ids):
     outs = []
     for b in range(n):
         keys = (b + 1) * block
-        mask = np.tile(np.arange(block)[:, None] + b * block >= np.arange(keys)[None, :], (groups, 1))
+        shape = (groups * block, keys)  # rows are (group, position) pairs, group-major
+        mask = _iota(shape, 0) % block + b * block >= _iota(shape, 1)
         if segment_ids is not None:  # [*b, 1, G*C, keys]
             query_ids = segment_ids[..., b * block:(b + 1) * block]
             mask = mask & _same_segment(query_ids, segment_ids[..., :keys], groups, head_axis=-3)
