@@ -46,18 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topologies", default="tpu7x:4x4x4,v5p:8x8x2")
     ap.add_argument("--remat", default="none,dots,dots_no_batch,full")
     ap.add_argument("--heads", default="32x128,16x256")
-    ap.add_argument("--config", default=None, help="a YAML preset instead of the 7B stage-1 (heads from --heads)")
+    ap.add_argument("--config", default=None, help="a YAML preset instead of the 7B stage 1 (its own head shape)")
     ap.add_argument("--json", default=str(common.RESULTS / "tpu_memory.json"))
     args = ap.parse_args(argv)
     path = Path(args.json)
     saved = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
+    preset = load_yaml(args.config) if args.config else None
+    head_shapes = ([f"{preset.model.num_attention_heads}x{preset.model.head_dim}"] if preset
+                   else args.heads.split(","))  # a preset's own head shape (--heads is for the 7B stage 1)
     for topology in args.topologies.split(","):
-        for heads in args.heads.split(","):
+        for heads in head_shapes:
             for remat in args.remat.split(","):
                 cfg = config(heads, remat)
-                if args.config:
-                    cfg = load_yaml(args.config)
-                    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+                if preset:
+                    cfg = dataclasses.replace(preset, model=dataclasses.replace(preset.model, remat=remat))
                 start = time.perf_counter()
                 report = aot.compile_for(cfg, topology)
                 seq = cfg.data.seq_len
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             "flops": f"{r['flops'] / 1e12:,.0f}" if r["flops"] else "",
             "model": f"{(r['flops_py_per_device_step'] - r['flops_py_attention_per_device_step']) / 1e12:,.0f}",
             "compile": f"{r['compile_s']:.0f}"})
-    print(f"\nOLMo 3 7B stage-1 train step, per device, compiled by XLA:TPU on {common.machine()['cpus']} CPUs; {path}")
+    what = Path(args.config).name if args.config else "OLMo 3 7B stage-1"
+    print(f"\n{what} train step, per device, compiled by XLA:TPU on {common.machine()['cpus']} CPUs; {path}")
     print(common.table(rows, [("topology", "topology"), ("device", "device"), ("heads", "heads"), ("remat", "remat"),
                               ("mem", "memory GiB"), ("hbm", "HBM GiB"), ("fits", "fits"),
                               ("flops", "XLA TFLOP/step"), ("model", "flops.py TFLOP/step w/o attention"),

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import olmo3eqx.attention as attention_module
 from olmo3eqx import hf
 from olmo3eqx.attention import BATCH_AXES, attention, splash_blocks
 from olmo3eqx.sharding import BATCH_AXES as LAYOUT_BATCH_AXES, AXES, on_mesh
@@ -86,6 +87,15 @@ def test_blocks_follow_the_config_and_the_sequence():
     assert splash_blocks(8192, 2048, 1024) == (8192, 2048, 1024)
     assert splash_blocks(29, None, None) == (128, 128, 128)
     assert splash_blocks(300, 256, None) == (768, 256, 384)  # padded to a multiple of both blocks
+
+
+@pytest.mark.parametrize("kind, dim, block", [("TPU7x", 128, 2048), ("TPU7x", 256, 1024), ("TPU v5", 128, 512),
+                                               ("TPU v5", 256, 512), ("cpu", 256, 512)])
+def test_default_blocks_per_chip_and_head_width(monkeypatch, kind, dim, block):
+    """Ironwood's 2048 blocks, halved for 256-wide heads (2048 x 256 overflows its scoped VMEM); 512 elsewhere."""
+    monkeypatch.setattr(attention_module, "target_device", lambda: ("tpu", kind))
+    assert splash_blocks(8192, None, None, dim) == (8192, block, block)
+    assert splash_blocks(8192, 256, None, dim) == (8192, 256, block)  # a configured block wins
 
 
 def test_under_a_mesh_each_shard_runs_the_kernel_on_its_batch_rows_and_heads():

@@ -33,6 +33,9 @@ make olmo3eqx.distributed take later processes for TPU pod workers): without the
 cannot find this host's TPU; the third lets it start while another process holds its lockfile (/tmp/libtpu_lockfile,
 taken by any JAX process that initialised a TPU client). None changes what is compiled: the topology is named."""
 OUT_OF_HBM = re.compile(r"RESOURCE_EXHAUSTED: .*(?:HBM|hbm|vmem|VMEM).*")
+OUT_OF_VMEM = re.compile(r"RESOURCE_EXHAUSTED: [^\n]*VmemOom.*?(Scoped allocation with size \S+ and limit \S+ "
+                         r"exceeded scoped vmem limit by [0-9.]+[KMG]?)", re.S)
+"""A kernel's scoped VMEM overflow (a splash block too large for the chip); its message spans lines."""
 
 
 def hbm_bytes(device_kind: str) -> float | None:
@@ -129,10 +132,12 @@ def compile_step(cfg: TrainConfig, layout) -> StepReport:
     try:
         compiled = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
     except jax.errors.JaxRuntimeError as e:
-        found = OUT_OF_HBM.search(str(e))
-        if found is None:
+        vmem, found = OUT_OF_VMEM.search(str(e)), OUT_OF_HBM.search(str(e))
+        if vmem is None and found is None:
             raise
-        return StepReport(compile_s=time.perf_counter() - start, out_of_memory=found.group(0).strip(), **common)
+        said = (f"a kernel's scoped VMEM: {vmem.group(1)} (a smaller model.attention_block_q/_kv fits)" if vmem
+                else found.group(0).strip())
+        return StepReport(compile_s=time.perf_counter() - start, out_of_memory=said, **common)
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
     memory = None

@@ -57,6 +57,10 @@ SPLASH_BLOCKS = (("tpu7", 2048),)
 """Default splash block (query and key/value) per chip generation, by substring of the lower-cased device kind, as
 the MaxText reproduction of OLMo 3 found them: 2048 on TPU v7 (Ironwood); 2048 does not fit v5p's VMEM (the
 compiler's own error), so every other chip gets DEFAULT_SPLASH_BLOCK, MaxText's default."""
+WIDE_HEAD_SPLASH_BLOCKS = (("tpu7", 1024),)
+"""The default for heads wider than 128 (OLMo 3's 16 x 256 variant), where it differs: 2048 x 256 needs 35.5 MiB of
+Ironwood's 32 MiB scoped VMEM in the forward kernel (XLA:TPU's CompileTimeScopedVmemOom, 7B step for tpu7x:4x4x4);
+1024 compiles. v5p's 512 compiles at 256 as it is."""
 DEFAULT_SPLASH_BLOCK = 512
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
@@ -129,11 +133,14 @@ def attention(
         implementation=None if backend == "xla" else backend)
 
 
-def splash_blocks(seq: int, block_q: int | None, block_kv: int | None) -> tuple[int, int, int]:
-    """(padded sequence, query block, key/value block): the configured blocks (else the chip's default), no longer
-    than the sequence rounded up to the lane width, and the sequence padded to a multiple of both."""
+def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim: int = 128
+                  ) -> tuple[int, int, int]:
+    """(padded sequence, query block, key/value block): the configured blocks (else the chip's default for this head
+    width), no longer than the sequence rounded up to the lane width, and the sequence padded to a multiple of both."""
     kind = target_device()[1].lower()
     default = next((b for key, b in SPLASH_BLOCKS if key in kind), DEFAULT_SPLASH_BLOCK)
+    if head_dim > 128:
+        default = next((b for key, b in WIDE_HEAD_SPLASH_BLOCKS if key in kind), default)
     padded = -(-seq // SPLASH_LANES) * SPLASH_LANES
     bq, bkv = (min(b or default, padded) for b in (block_q, block_kv))
     step = math.lcm(bq, bkv)
@@ -165,7 +172,7 @@ def splash_attention(
     seen by a real query: causality; its segment is PAD_SEGMENT); q is scaled by 1/sqrt(dim) before the kernel,
     which does not scale. Segment ids go to the kernel as SegmentIds(q, kv), ANDed with its static mask."""
     *lead, seq, heads, dim = q.shape
-    padded, bq, bkv = splash_blocks(seq, block_q, block_kv)
+    padded, bq, bkv = splash_blocks(seq, block_q, block_kv, dim)
     if padded != seq:
         pad = [(0, 0)] * len(lead) + [(0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))

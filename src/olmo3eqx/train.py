@@ -186,7 +186,7 @@ def attention_backend(cfg, layout) -> str:
         backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]))
         if backend != "splash":
             return backend
-        _, bq, bkv = splash_blocks(cfg.data.seq_len, m.attention_block_q, m.attention_block_kv)
+        _, bq, bkv = splash_blocks(cfg.data.seq_len, m.attention_block_q, m.attention_block_kv, m.head_dim)
     return f"splash, blocks {bq} x {bkv} (Pallas kernels count 0 in XLA's FLOPs)"
 
 
