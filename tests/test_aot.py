@@ -143,3 +143,22 @@ def test_one_b_compiles_for_v5p_and_fits():
     report = aot.compile_for(cfg, "v5p:2x2x1")
     assert report.devices == 4 and report.fits and report.memory["total"] > 1 * aot.GIB
     assert report.flops > 0
+
+
+@needs_libtpu
+@pytest.mark.tpu
+def test_splash_blocks_over_the_scoped_vmem_are_reported_and_the_default_fits():
+    """Ironwood, 256-wide heads: 2048 x 2048 splash blocks overflow the kernel's 32 MiB scoped VMEM (XLA:TPU's own
+    CompileTimeScopedVmemOom, reported as a does-not-fit line); the default for that width (1024) compiles."""
+    base = load_yaml(REPO / "configs" / "tiny.yaml")
+    model = dataclasses.replace(base.model, num_attention_heads=2, num_key_value_heads=2, head_dim=256,
+                                compute_dtype="bfloat16", max_position_embeddings=8192)
+    # 4 x 8192 tokens per device as the 7B recipe: the kernel is vmapped over the batch rows, which its blocks carry
+    cfg = dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, seq_len=8192, global_batch=32),
+                              mesh=dataclasses.replace(base.mesh, max_per_device_batch=4))
+    wide = dataclasses.replace(cfg, model=dataclasses.replace(model, attention_block_q=2048, attention_block_kv=2048))
+    over = aot.compile_for(wide, "tpu7x:2x2x1")
+    assert over.fits is False and "scoped VMEM" in over.out_of_memory, over.out_of_memory
+    assert "does not fit" in over.lines()[0]
+    fits = aot.compile_for(cfg, "tpu7x:2x2x1")
+    assert fits.out_of_memory is None and fits.fits, fits.lines()
