@@ -2,7 +2,7 @@
 same config, batch, dtype (float32) and threads; plus MFU against this CPU's measured float32 matmul peak.
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
-                               [--malloc glibc,glibc-tuned,tcmalloc,jemalloc,hugetlb]
+                               [--malloc glibc,glibc-tuned,tcmalloc,jemalloc,hugetlb] [--cpu-devices 1,2]
 
 Each contender runs in its own worker process (its own heap and allocator; the others wait, idle). `--malloc` names
 the host allocators every contender (ours and torch) is timed under, each in processes of its own: `glibc` (the C
@@ -15,6 +15,10 @@ it matters: XLA's CPU runtime mallocs each step's temporary buffer (GiBs) and fr
 returns a block that large to the kernel, so every step faults it in again (README "Performance"). The `vs fastest
 torch` column compares with the fastest torch contender. The ceiling printed per config is the tokens/s at 100% MFU
 (the measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
+
+`--cpu-devices 1,2` adds our step with the host split into 2 XLA CPU devices
+(`--xla_force_host_platform_device_count`), the batch data-parallel over them: each device runs its program on its
+own thread, so the fusions that XLA:CPU runs on one thread run on both cores (the gradients are all-reduced).
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after a warm-up; tokens/s is the median over repeats. The table is
@@ -60,13 +64,14 @@ def bench_configs() -> dict[str, tuple[ModelConfig, int, int]]:
 
 
 class JaxContender:
-    def __init__(self, model: ModelConfig, seq: int, batch: int):
+    def __init__(self, model: ModelConfig, seq: int, batch: int, devices: int = 1):
         import jax
 
         self.jax = jax
         self.cfg = common.train_config(model, seq, batch)
         t = time.perf_counter()
-        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg)
+        self.step, self.state, self.tokens, self.mask = common.build_step(self.cfg, jax.devices()[:devices],
+                                                                          axis="data")
         jax.block_until_ready(self.state)
         self.init_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -112,7 +117,10 @@ def worker(spec: dict) -> int:
     """A contender's process: build it, say `ready`, then time `run N` requests from stdin until `quit`."""
     model, seq, batch = bench_configs()[spec["config"]]
     model = dataclasses.replace(model, **spec.get("overrides", {}))
-    contender = (JaxContender if spec["kind"] == "jax" else TorchContender)(model, seq, batch)
+    if spec["kind"] == "jax":
+        contender = JaxContender(model, seq, batch, spec.get("devices", 1))
+    else:
+        contender = TorchContender(model, seq, batch)
 
     def say(**msg) -> None:
         print(PROTOCOL + json.dumps(msg), flush=True)
@@ -191,6 +199,12 @@ def contender_specs(args, env: dict[str, str]) -> dict[str, tuple[dict, dict[str
         tag = "" if malloc == "glibc" else f", {malloc}"
         for impl in args.attention.split(","):
             specs[f"olmo3eqx ({impl}{tag})"] = ({"kind": "jax", "overrides": {"attention_impl": impl}}, worker_env)
+        for n in (int(x) for x in args.cpu_devices.split(",") if x and int(x) > 1):
+            flags = " ".join(filter(None, [worker_env.get("XLA_FLAGS", ""),
+                                           f"--xla_force_host_platform_device_count={n}"]))
+            specs[f"olmo3eqx ({first}{tag}, {n} CPU devices)"] = (
+                {"kind": "jax", "overrides": {"attention_impl": first}, "devices": n},
+                {**worker_env, "XLA_FLAGS": flags})
         if args.unrolled:
             specs[f"olmo3eqx ({first}{tag}, unrolled)"] = (
                 {"kind": "jax", "overrides": {"attention_impl": first, "scan_layers": False}}, worker_env)
@@ -227,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--cpu-devices", default="1",
+                    help="comma-separated CPU device counts for our step (N > 1: the host split into N XLA devices, "
+                         "the batch data-parallel over them, each device's program on its own thread)")
     ap.add_argument("--malloc", default="glibc,glibc-tuned,tcmalloc",
                     help=f"comma-separated host allocators to time every contender under: {', '.join(MALLOCS)} "
                          f"(hugetlb: glibc with GLIBC_TUNABLES=glibc.malloc.hugetlb=1)")

@@ -43,8 +43,9 @@ def train_config(model, seq_len: int, batch: int):
                        mesh=MeshConfig(fsdp=1, max_per_device_batch=batch))
 
 
-def build_step(cfg, devices=None):
-    """(jitted train step, initial state, tokens, mask) for TrainConfig `cfg` on `devices` (default: the first)."""
+def build_step(cfg, devices=None, axis: str = "fsdp"):
+    """(jitted train step, initial state, tokens, mask) for TrainConfig `cfg` on `devices` (default: the first), all of
+    them on mesh axis `axis` (fsdp: parameters sharded; data: replicated, the batch split)."""
     import jax
     import numpy as np
 
@@ -52,7 +53,8 @@ def build_step(cfg, devices=None):
     from olmo3eqx.step import make_train_step
 
     devices = devices or jax.devices()[:1]
-    layout = build_layout(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fsdp=len(devices))), devices)
+    mesh = dataclasses.replace(cfg.mesh, **{"fsdp": 1, "data": 1, axis: len(devices)})
+    layout = build_layout(dataclasses.replace(cfg, mesh=mesh), devices)
     step = make_train_step(cfg, layout)
     state = layout.init_state(cfg)
     rng = np.random.default_rng(0)
