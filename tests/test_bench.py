@@ -80,10 +80,13 @@ def test_step_bench_times_ours_and_torch_under_every_allocator_and_leaves_out_wh
     monkeypatch.setattr(bench_step.hostmem, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     monkeypatch.setattr(bench_step.ctypes.util, "find_library", lambda name: None)  # no jemalloc here
     args = argparse.Namespace(
-        malloc="glibc,tcmalloc,jemalloc", attention="auto", unrolled=False, no_torch=False)
+        malloc="glibc,tcmalloc,jemalloc", attention="auto", unrolled=False, no_torch=False, cpu_devices="1,2")
     specs = bench_step.contender_specs(args, {"LD_PRELOAD": "/opt/libother.so"})
-    assert list(specs) == ["olmo3eqx (auto)", "transformers+torch", "olmo3eqx (auto, tcmalloc)",
+    assert list(specs) == ["olmo3eqx (auto)", "olmo3eqx (auto, 2 CPU devices)", "transformers+torch",
+                           "olmo3eqx (auto, tcmalloc)", "olmo3eqx (auto, tcmalloc, 2 CPU devices)",
                            "transformers+torch (tcmalloc)"]
+    two = specs["olmo3eqx (auto, 2 CPU devices)"]
+    assert two[0]["devices"] == 2 and two[1]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert "--malloc jemalloc: not installed here" in capsys.readouterr().out
     assert specs["olmo3eqx (auto)"][1]["LD_PRELOAD"] == "/opt/libother.so"
     for name in ("olmo3eqx (auto, tcmalloc)", "transformers+torch (tcmalloc)"):
