@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     for topology in args.topologies.split(","):
         for heads in head_shapes:
             for remat in args.remat.split(","):
-                cfg = config(heads, remat)
-                if preset:
-                    cfg = dataclasses.replace(preset, model=dataclasses.replace(preset.model, remat=remat))
+                cfg = (dataclasses.replace(preset, model=dataclasses.replace(preset.model, remat=remat)) if preset
+                       else config(heads, remat))
                 start = time.perf_counter()
                 report = aot.compile_for(cfg, topology)
                 seq = cfg.data.seq_len
