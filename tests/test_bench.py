@@ -60,10 +60,12 @@ def test_step_bench_times_each_contender_in_its_own_worker(monkeypatch, tmp_path
     monkeypatch.setattr(bench_step.flops, "cpu_peak_flops", lambda refresh=False: 1e11)  # no 2048^3 matmul, no cache
     out = tmp_path / "step.json"
     argv = ["--configs", "tiny", "--no-torch", "--malloc", "glibc,hugetlb", "--repeats", "1", "--steps", "1",
-            "--json", str(out)]
+            "--warmup", "1", "--json", str(out)]
     assert bench_step.main(argv) == 0
     table = capsys.readouterr().out
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    results = written["results"]
+    assert written["warmup_steps"] == 1
     assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, hugetlb)"}
     for r in results.values():
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s"][0] > 0 and r["compile_s"] > 0
