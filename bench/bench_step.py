@@ -10,8 +10,8 @@ library's malloc as it comes), `glibc-tuned` (GLIBC_TUNABLES with one arena, no 
 train.py` runs under on a CPU host without tcmalloc, i.e. a fresh machine: olmo3eqx/tools/hostmem.py), `tcmalloc`
 (preloaded, as train.py does where it is installed), `jemalloc` (preloaded, with `oversize_threshold:0` so large
 blocks are cached too), `hugetlb` (glibc with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, transparent huge pages) and
-`glibc-tuned-hugetlb` (both). The
-default is glibc, glibc-tuned and tcmalloc; a preloaded allocator that is not installed is left out with a note. Why
+`glibc-tuned-hugetlb` (both). The default is glibc, glibc-tuned and tcmalloc; a preloaded allocator that is not
+installed is left out with a note. Why
 it matters: XLA's CPU runtime mallocs each step's temporary buffer (GiBs) and frees it after the step, and glibc
 returns a block that large to the kernel, so every step faults it in again (README "Performance"). The `vs fastest
 torch` column compares with the fastest torch contender. The ceiling printed per config is the tokens/s at 100% MFU
@@ -22,8 +22,8 @@ torch` column compares with the fastest torch contender. The ceiling printed per
 own thread, so the fusions that XLA:CPU runs on one thread run on both cores (the gradients are all-reduced).
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
-another process hits all of them alike) after `--warmup` untimed steps each; tokens/s is the median over repeats. The table is
-printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's XLA_FLAGS.
+another process hits all of them alike) after `--warmup` untimed steps each; tokens/s is the median over repeats.
+The table is printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's XLA_FLAGS.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def contender_specs(args, env: dict[str, str]) -> dict[str, tuple[dict, dict[str
 
 
 def measure(workers: dict[str, Worker], tokens_per_step: int, steps: int, repeats: int,
-            warmup: int = 6) -> dict[str, list[float]]:
+            warmup: int) -> dict[str, list[float]]:
     for w in workers.values():
         w.run(warmup)  # first-call work, caches, and the allocator's heap growing to its steady size (see --warmup)
     rates: dict[str, list[float]] = {name: [] for name in workers}
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     path = common.write_json(args.json or "step.json", {"peak_flops": peak, "ceiling_tokens_per_s": ceilings,
                                            "fastest_torch": {n: r["contender"] for n, r in best_torch.items()},
                                            "load_before": load_before, "load_after": load_after,
-                                           "steps_per_repeat": args.steps, "repeats": args.repeats, "warmup_steps": args.warmup,
+                                           "steps_per_repeat": args.steps, "repeats": args.repeats,
+                                           "warmup_steps": args.warmup,
                                            "results": results})
     print(f"\nfloat32 matmul peak (best 2048^3, cached or measured now): {peak / 1e9:.0f} GFLOP/s (MFU's denominator); "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {os.cpu_count()} CPUs; {path}")

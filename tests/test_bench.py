@@ -95,6 +95,33 @@ def test_step_bench_times_ours_and_torch_under_every_allocator_and_leaves_out_wh
         assert specs[name][1]["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:/opt/libother.so"
 
 
+def test_step_bench_warms_every_contender_up_before_the_timed_repeats(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+
+    class Fake:
+        def __init__(self):
+            self.calls = []
+
+        def run(self, steps):
+            self.calls.append(steps)
+            return 0.5
+
+    workers = {"a": Fake(), "b": Fake()}
+    rates = bench_step.measure(workers, tokens_per_step=100, steps=2, repeats=3, warmup=6)
+    assert [w.calls for w in workers.values()] == [[6, 2, 2, 2]] * 2
+    assert rates == {"a": [400.0] * 3, "b": [400.0] * 3}  # the warm-up is not among the timed rates
+
+
+def test_step_bench_tuned_hugetlb_allocator_is_the_tuned_glibc_plus_huge_pages(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+
+    env = bench_step.malloc_env("glibc-tuned-hugetlb", {"PATH": "/b"})
+    assert bench_step.hostmem.tunables(env) == {**bench_step.hostmem.GLIBC_TUNED, "glibc.malloc.hugetlb": "1"}
+    assert env["PATH"] == "/b"
+
+
 def test_step_bench_compares_with_the_fastest_torch_contender(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_step
