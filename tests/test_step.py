@@ -66,8 +66,12 @@ def test_sharded_and_accumulated_step_equals_one_device(reference, mesh_cfg, dev
     for a, b in zip(host(state.model), host(ref_state.model)):
         np.testing.assert_allclose(a, b, atol=1e-4)
         assert np.mean(np.abs(a - b)) < 1e-6
+    # The moments carry the same reassociation noise unamplified: near-zero elements are sums of terms at the leaf's
+    # gradient scale, so the absolute noise follows that scale (seen: up to 1.2e-4 of max|mu| over data=2 x fsdp=4
+    # at optimisation level 0), and the mean difference stays far below the leaf's mean.
     for a, b in zip(host(state.opt_state), host(ref_state.opt_state)):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=max(1e-7, 5e-4 * float(np.abs(b).max())))
+        assert np.mean(np.abs(a - b)) <= 1e-3 * np.mean(np.abs(b)) + 1e-12
 
 
 def test_param_and_moment_shardings_follow_the_rule():
