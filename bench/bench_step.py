@@ -23,7 +23,8 @@ own thread, so the fusions that XLA:CPU runs on one thread run on both cores (th
 
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after `--warmup` untimed steps each; tokens/s is the median over repeats.
-The table is printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's XLA_FLAGS.
+The table is printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's
+XLA_FLAGS.
 """
 
 from __future__ import annotations

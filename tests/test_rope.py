@@ -33,6 +33,12 @@ def olmo_core_yarn(dim, theta, factor, old, beta_fast, beta_slow):
                                            old_context_len=old)
 
 
+def olmo_core_rotary(dim: int, theta: float, yarn: tuple | None):
+    """OLMo-core's RotaryEmbedding, YaRN-scaled by the YARN_CASES entry `yarn` (None: plain)."""
+    return olmo_rope.RotaryEmbedding(head_size=dim, theta=int(theta),
+                                     scaling=None if yarn is None else olmo_core_yarn(*yarn))
+
+
 def ours(dim, theta, factor, old, beta_fast, beta_slow) -> RopeScalingConfig:
     return RopeScalingConfig(rope_type="yarn", factor=factor, original_max_position_embeddings=old,
                              beta_fast=float(beta_fast), beta_slow=float(beta_slow))
@@ -81,8 +87,7 @@ def test_rotation_matches_olmo_core_past_the_original_length(scaled):
     to 1.5 x OLMo 3's original 8192, head_dim 128, theta 5e5."""
     seq, heads, dim, theta = 12288, 2, 128, 500000.0
     args = YARN_CASES["olmo3-7b"]
-    ref = olmo_rope.RotaryEmbedding(head_size=dim, theta=int(theta),
-                                    scaling=olmo_core_yarn(*args) if scaled else None)
+    ref = olmo_core_rotary(dim, theta, args if scaled else None)
     q = np.random.default_rng(0).normal(size=(1, seq, heads, dim)).astype(np.float32)
     k = np.random.default_rng(1).normal(size=(1, seq, heads, dim)).astype(np.float32)
     want_q, want_k = ref(torch.from_numpy(q), torch.from_numpy(k), head_first=False)
@@ -147,7 +152,7 @@ def test_cpu_table_is_a_constant_of_the_program_and_olmo_cores_to_the_ulp(monkey
         return t.cos, t.sin
 
     def olmo_core(scaled: bool):
-        ref = olmo_rope.RotaryEmbedding(head_size=dim, theta=int(theta), scaling=olmo_core_yarn(*yarn) if scaled else None)
+        ref = olmo_core_rotary(dim, theta, yarn if scaled else None)
         sin, cos = ref._get_rotary_embedding(seq, torch.device("cpu"))
         return cos.numpy(), sin.numpy()
 
