@@ -3,6 +3,7 @@ same config, batch, dtype (float32) and threads; plus MFU against this CPU's mea
 
     python bench/bench_step.py [--configs tiny,small] [--repeats 5] [--steps 2] [--attention auto,xla] [--unrolled]
                                [--malloc glibc,glibc-tuned,tcmalloc,jemalloc,hugetlb] [--cpu-devices 1,2]
+                               [--ablate attention]
 
 Each contender runs in its own worker process (its own heap and allocator; the others wait, idle). `--malloc` names
 the host allocators every contender (ours and torch) is timed under, each in processes of its own: `glibc` (the C
@@ -21,6 +22,11 @@ torch` column compares with the fastest torch contender. The ceiling printed per
 (`--xla_force_host_platform_device_count`), the batch data-parallel over them: each device runs its program on its
 own thread, so the fusions that XLA:CPU runs on one thread run on both cores (the gradients are all-reduced).
 
+`--ablate attention` adds a diagnostic contender: our step with the attention itself replaced by `q + k + v` (the
+projections, QK-norm and RoPE kept; no scores, no softmax). It is not a model anyone should train; it bounds what any
+attention backend could give: the step with attention at no cost. The footer says what share of our step the
+attention takes.
+
 Each repeat times `steps` back-to-back steps of every contender in turn (interleaved, so a burst of load from
 another process hits all of them alike) after `--warmup` untimed steps each; tokens/s is the median over repeats.
 The table is printed last and bench/results/step.json (or --json) written. Do not run it with the test suite's
@@ -34,6 +40,7 @@ import ctypes.util
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,6 +86,7 @@ class JaxContender:
         t = time.perf_counter()
         self.step = self.step.lower(self.state, self.tokens, self.mask).compile()
         self.compile_s = time.perf_counter() - t
+        self.dots = len(re.findall(r"\bdot\(", self.step.as_text()))  # matmuls in the compiled program
 
     def run(self, steps: int) -> None:
         metrics = None
@@ -105,6 +113,7 @@ class TorchContender:
         self.tokens = torch.randint(0, model.vocab_size, (batch, seq))
         self.torch = torch
         self.init_s = self.compile_s = 0.0
+        self.dots = None
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
@@ -115,8 +124,21 @@ class TorchContender:
             self.opt.zero_grad(set_to_none=True)
 
 
+def without_attention(q, k, v, **_):
+    """The `--ablate attention` stand-in for olmo3eqx.attention.attention: q plus k and v repeated over each kv head's
+    query heads, so the projections, QK-norm and RoPE still run and still get gradients, but no scores, softmax or
+    weighted sum do."""
+    import jax.numpy as jnp
+
+    return q + jnp.repeat(k + v, q.shape[-2] // k.shape[-2], axis=-2)
+
+
 def worker(spec: dict) -> int:
     """A contender's process: build it, say `ready`, then time `run N` requests from stdin until `quit`."""
+    if spec.get("ablate") == "attention":
+        import olmo3eqx.model
+
+        olmo3eqx.model.attention = without_attention  # the name Attention.__call__ calls
     model, seq, batch = bench_configs()[spec["config"]]
     model = dataclasses.replace(model, **spec.get("overrides", {}))
     if spec["kind"] == "jax":
@@ -127,7 +149,7 @@ def worker(spec: dict) -> int:
     def say(**msg) -> None:
         print(PROTOCOL + json.dumps(msg), flush=True)
 
-    say(ready=True, init_s=contender.init_s, compile_s=contender.compile_s)
+    say(ready=True, init_s=contender.init_s, compile_s=contender.compile_s, dots=contender.dots)
     for line in sys.stdin:
         command = line.split()
         if command[:1] == ["run"]:
@@ -147,7 +169,7 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._receive()
-        self.init_s, self.compile_s = ready["init_s"], ready["compile_s"]
+        self.init_s, self.compile_s, self.dots = ready["init_s"], ready["compile_s"], ready["dots"]
 
     def _receive(self) -> dict:
         for line in self.proc.stdout:
@@ -169,6 +191,8 @@ class Worker:
 
 
 HUGE_PAGES = {"glibc.malloc.hugetlb": "1"}
+ABLATED = "no attention: diagnostic"
+"""The tag of `--ablate attention`'s contender (see the module doc)."""
 MALLOCS = ("glibc", "glibc-tuned", "glibc-tuned-hugetlb", "tcmalloc", "jemalloc", "hugetlb")
 
 
@@ -212,6 +236,9 @@ def contender_specs(args, env: dict[str, str]) -> dict[str, tuple[dict, dict[str
         if args.unrolled:
             specs[f"olmo3eqx ({first}{tag}, unrolled)"] = (
                 {"kind": "jax", "overrides": {"attention_impl": first, "scan_layers": False}}, worker_env)
+        if args.ablate == "attention":
+            specs[f"olmo3eqx ({first}{tag}, {ABLATED})"] = (
+                {"kind": "jax", "overrides": {"attention_impl": first}, "ablate": "attention"}, worker_env)
         if not args.no_torch:
             specs[f"transformers+torch{f' ({malloc})' if tag else ''}"] = ({"kind": "torch"}, worker_env)
     return specs
@@ -250,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="auto", help="comma-separated model.attention_impl values to time")
     ap.add_argument("--unrolled", action="store_true", help="also time model.scan_layers=False")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--ablate", choices=["attention"],
+                    help="also time our step with the attention replaced by q + k + v (a diagnostic, not a model: the "
+                         "step with attention at no cost)")
     ap.add_argument("--cpu-devices", default="1",
                     help="comma-separated CPU device counts for our step (N > 1: the host split into N XLA devices, "
                          "the batch data-parallel over them, each device's program on its own thread)")
@@ -284,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{name}/{cname}"] = {"tokens_per_s": r, "median": common.median(r), "flops_per_token": per_token,
                                           "seq_len": seq, "batch": batch, "params": flops.param_count(model),
                                           "init_s": workers[cname].init_s, "compile_s": workers[cname].compile_s,
+                                          "dots": workers[cname].dots,
                                           "env": {k: specs[cname][1].get(k) for k in MALLOC_VARIABLES}}
     peak_after = flops.cpu_peak_flops(refresh=True)
     peak = max(peak, peak_after)  # a peak is an upper bound: load only lowers a measurement
@@ -314,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         need = (f"; 1.3x the fastest torch ({torch_r['contender']}) would be {1.3 * torch_r['median']:,.0f} "
                 f"({1.3 * torch_r['median'] / ceiling:.0%} of it)") if torch_r else ""
         print(f"{name}: ceiling at 100% MFU {ceiling:,.0f} tokens/s{need}")
+        for key, r in results.items():
+            cname = key.split("/", 1)[1]
+            full = results.get(f"{name}/{cname.replace(f', {ABLATED}', '')}")
+            if key.startswith(f"{name}/") and ABLATED in cname and full:
+                share = 1 - full["median"] / r["median"]
+                print(f"{name}: attention takes {share:.0%} of {cname.replace(f', {ABLATED}', '')}'s step (the step "
+                      f"without it: {r['median']:,.0f} tokens/s, {r['median'] / full['median']:.2f}x)")
     print(common.table(rows, [("config", "config"), ("params", "params"), ("contender", "contender"),
                               ("tok_s", "tokens/s (median)"), ("range", "range"), ("vs_torch", "vs fastest torch"),
                               ("gflops", "model GFLOP/s"), ("mfu", "MFU"), ("compile_s", "compile s")]))

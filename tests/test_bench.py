@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -60,19 +61,43 @@ def test_step_bench_times_each_contender_in_its_own_worker(monkeypatch, tmp_path
     monkeypatch.setattr(bench_step.flops, "cpu_peak_flops", lambda refresh=False: 1e11)  # no 2048^3 matmul, no cache
     out = tmp_path / "step.json"
     argv = ["--configs", "tiny", "--no-torch", "--malloc", "glibc,hugetlb", "--repeats", "1", "--steps", "1",
-            "--warmup", "1", "--json", str(out)]
+            "--warmup", "1", "--ablate", "attention", "--json", str(out)]
     assert bench_step.main(argv) == 0
     table = capsys.readouterr().out
     written = json.loads(out.read_text())
     results = written["results"]
     assert written["warmup_steps"] == 1
-    assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, hugetlb)"}
+    ablated = "tiny/olmo3eqx (auto, no attention: diagnostic)"
+    assert set(results) == {"tiny/olmo3eqx (auto)", "tiny/olmo3eqx (auto, hugetlb)", ablated,
+                            "tiny/olmo3eqx (auto, hugetlb, no attention: diagnostic)"}
     for r in results.values():
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s"][0] > 0 and r["compile_s"] > 0
     # the huge-page contender, and only it, ran under the tunable (a worker process of its own)
     assert results["tiny/olmo3eqx (auto, hugetlb)"]["env"]["GLIBC_TUNABLES"].endswith("glibc.malloc.hugetlb=1")
     assert "hugetlb" not in (results["tiny/olmo3eqx (auto)"]["env"]["GLIBC_TUNABLES"] or "")
     assert "olmo3eqx (auto, hugetlb)" in table and "ceiling at 100% MFU" in table
+    # the diagnostic worker compiled the step without the attention's matmuls, and only it
+    # (2 forward, 4 backward per band: one band on each of the 3 sliding layers, 4 query blocks on the global one)
+    assert results[ablated]["dots"] == results["tiny/olmo3eqx (auto)"]["dots"] - 6 * (3 + 4)
+    assert "tiny: attention takes" in table and "of olmo3eqx (auto, hugetlb)'s step" in table
+
+
+def test_step_bench_ablation_keeps_the_projections_and_drops_the_attention(monkeypatch):
+    """`--ablate attention`'s stand-in: q + k + v with kv head h serving query heads h*G .. h*G + G - 1 (the grouping
+    olmo3eqx.attention uses), differentiable in all three, and nothing of the attention left in the jaxpr."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_step
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 5, 6, 4)), jnp.float32)  # 6 query heads over 3 kv heads
+    k, v = (jnp.asarray(rng.standard_normal((2, 5, 3, 4)), jnp.float32) for _ in range(2))
+    out = bench_step.without_attention(q, k, v, window=None, impl="auto")
+    np.testing.assert_allclose(out[:, :, 3], q[:, :, 3] + k[:, :, 1] + v[:, :, 1], rtol=1e-6)
+    grads = jax.grad(lambda q, k, v: jnp.sum(bench_step.without_attention(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in grads)
+    jaxpr = str(jax.make_jaxpr(bench_step.without_attention)(q, k, v))
+    assert "dot_general" not in jaxpr and "exp" not in jaxpr
 
 
 def test_step_bench_times_ours_and_torch_under_every_allocator_and_leaves_out_what_is_missing(monkeypatch, capsys):
@@ -81,8 +106,8 @@ def test_step_bench_times_ours_and_torch_under_every_allocator_and_leaves_out_wh
 
     monkeypatch.setattr(bench_step.hostmem, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
     monkeypatch.setattr(bench_step.ctypes.util, "find_library", lambda name: None)  # no jemalloc here
-    args = argparse.Namespace(
-        malloc="glibc,tcmalloc,jemalloc", attention="auto", unrolled=False, no_torch=False, cpu_devices="1,2")
+    args = argparse.Namespace(malloc="glibc,tcmalloc,jemalloc", attention="auto", unrolled=False, no_torch=False,
+                              cpu_devices="1,2", ablate=None)
     specs = bench_step.contender_specs(args, {"LD_PRELOAD": "/opt/libother.so"})
     assert list(specs) == ["olmo3eqx (auto)", "olmo3eqx (auto, 2 CPU devices)", "transformers+torch",
                            "olmo3eqx (auto, tcmalloc)", "olmo3eqx (auto, tcmalloc, 2 CPU devices)",
@@ -165,3 +190,68 @@ def test_order_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
     assert results["index"]["build"]["peak_rss_bytes"] > 0 and results["index"]["reload_cold"]["seconds"] > 0
     assert results["loader_ours_instances_per_s"] > 0 and results["loader_olmo-core_instances_per_s"] > 0
     assert "needed per host by a 7B step on v5p-128" in capsys.readouterr().out
+
+
+@pytest.fixture
+def profile_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import profile_step
+
+    return profile_step
+
+
+def test_step_profile_splits_overlapping_operations_evenly(profile_module):
+    """Two operations running at once share the overlap; a gap between operations is its own row."""
+    events = [{"name": "a", "ts": 0.0, "dur": 10.0}, {"name": "b", "ts": 4.0, "dur": 4.0},
+              {"name": "a2", "ts": 13.0, "dur": 2.0}]
+    wall, span = profile_module.attribute(events, {"a": "x", "a2": "x", "b": "y"})
+    assert span == 15.0
+    assert wall == {"x": 6.0 + 2.0 + 2.0, "y": 2.0, profile_module.NOT_TRACED: 3.0}
+
+
+def test_step_profile_counts_the_matmuls_of_dots_fusions_and_loop_bodies(profile_module):
+    """dot_flops reads every dot of the compiled program, a fusion's through its computation, with the FLOPs of one
+    execution; stack_frames resolves an instruction to the Python line that made it."""
+
+    def f(x, w, ws):
+        y = jnp.tanh(x @ w)  # [8, 16] @ [16, 32]
+        y, _ = jax.lax.scan(lambda h, wi: (h @ wi, None), y, ws)  # 3 x ([8, 32] @ [32, 32]) in a loop body
+        return jnp.einsum("bij,bjk->bik", y.reshape(2, 4, 32), y.reshape(2, 4, 32).transpose(0, 2, 1))
+
+    hlo = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 32)), jnp.ones((3, 32, 32))).compile().as_text()
+    flops = profile_module.dot_flops(hlo)
+    assert sorted(set(flops.values())) == sorted({2 * 8 * 16 * 32, 2 * 8 * 32 * 32, 2 * 2 * 4 * 4 * 32})
+    chains = profile_module.stack_frames(hlo)
+    lines = {frame.line for chain in chains.values() for frame in chain if frame.file.endswith("test_bench.py")}
+    here = f.__code__.co_firstlineno
+    assert {here + 1, here + 2, here + 3} <= lines
+
+
+def test_step_profile_attributes_a_scanned_step_to_its_source_lines(profile_module, monkeypatch, tmp_path, capsys):
+    """End to end on a toy 8-layer model (a scan of 2 periods): every matmul execution counted (the loop body's twice),
+    the rows name Linear's matmul forward and backward and the attention, and they add up to the traced span."""
+    import bench_step
+
+    from olmo3eqx.config import ModelConfig
+
+    model = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=32, sliding_window=64,
+                        max_position_embeddings=64, eos_token_id=1, pad_token_id=2)
+    monkeypatch.setattr(bench_step, "bench_configs", lambda: {"toy": (model, 64, 2)})
+    import olmo3eqx.flops
+
+    monkeypatch.setattr(olmo3eqx.flops, "cpu_peak_flops", lambda refresh=False: 1e11)
+    out = tmp_path / "profile.json"
+    assert profile_module.main(["--config", "toy", "--steps", "2", "--warmup", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    tokens = 64 * 2
+    projections = 6 * tokens * olmo3eqx.flops.matmul_params_per_token(model)
+    # window 64 >= seq 64: every layer is causal, 4 query blocks of 16 against 16, 32, 48, 64 keys; 6 matmuls each
+    attention = 8 * 6 * 2 * 2 * 2 * 16 * (16 + 32 + 48 + 64) * 32
+    assert projections + attention <= result["matmul_flops_per_step"] <= 1.05 * (projections + attention)
+    rows = result["per_step_ms"]
+    assert {"forward model.py:60 Linear.__call__", "backward model.py:60 Linear.__call__"} <= set(rows)
+    assert any(" attention.py:" in row for row in rows)
+    assert sum(rows.values()) == pytest.approx(result["span_ms"], rel=1e-6)
+    table = capsys.readouterr().out
+    assert "matmul FLOPs executed" in table and "Linear.__call__" in table
