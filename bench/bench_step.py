@@ -347,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: ceiling at 100% MFU {ceiling:,.0f} tokens/s{need}")
         for key, r in results.items():
             cname = key.split("/", 1)[1]
-            full = results.get(f"{name}/{cname.replace(f', {ABLATED}', '')}")
-            if key.startswith(f"{name}/") and ABLATED in cname and full:
-                share = 1 - full["median"] / r["median"]
-                print(f"{name}: attention takes {share:.0%} of {cname.replace(f', {ABLATED}', '')}'s step (the step "
-                      f"without it: {r['median']:,.0f} tokens/s, {r['median'] / full['median']:.2f}x)")
+            base = cname.replace(f", {ABLATED}", "")  # the same contender with its attention
+            if key.startswith(f"{name}/") and base != cname and f"{name}/{base}" in results:
+                full = results[f"{name}/{base}"]["median"]
+                print(f"{name}: attention takes {1 - full / r['median']:.0%} of {base}'s step (the step without it: "
+                      f"{r['median']:,.0f} tokens/s, {r['median'] / full:.2f}x)")
     print(common.table(rows, [("config", "config"), ("params", "params"), ("contender", "contender"),
                               ("tok_s", "tokens/s (median)"), ("range", "range"), ("vs_torch", "vs fastest torch"),
                               ("gflops", "model GFLOP/s"), ("mfu", "MFU"), ("compile_s", "compile s")]))

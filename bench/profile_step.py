@@ -60,14 +60,14 @@ def stack_frames(hlo: str) -> dict[int, list[Frame]]:
     functions = {int(i): f for i, f in re.findall(r'^(\d+) "(.*)"$', _table(hlo, "FunctionNames"), re.M)}
     locations = {int(i): Frame(files[int(f)], functions[int(fn)], int(line)) for i, f, fn, line in re.findall(
         r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", _table(hlo, "FileLocations"), re.M)}
-    parents = {int(i): (int(loc), int(parent)) for i, loc, parent in re.findall(
+    # A frame's printed parent_frame_id is its caller's id plus one (0 before that: the outermost frame).
+    callers = {int(i): (int(loc), int(parent) - 1) for i, loc, parent in re.findall(
         r"^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", _table(hlo, "StackFrames"), re.M)}
     chains = {}
-    for frame_id in parents:
-        chain, seen, current = [], set(), frame_id
-        while current in parents and current not in seen:  # a root frame is its own parent
-            seen.add(current)
-            location, current = parents[current]
+    for frame_id in callers:
+        chain, current = [], frame_id
+        while current in callers and len(chain) < len(callers):
+            location, current = callers[current]
             chain.append(locations[location])
         chains[frame_id] = chain
     return chains
@@ -118,7 +118,7 @@ def dot_flops(hlo: str) -> dict[str, int]:
     return flops
 
 
-def labels(hlo: str, src_root: Path | None = None) -> dict[str, str]:
+def labels(hlo: str) -> dict[str, str]:
     """Instruction name -> "forward|backward file:line function", the innermost olmo3eqx frame of its stack trace;
     "forward|backward (elsewhere)" when none (JAX's or the optimizer library's code)."""
     chains = stack_frames(hlo)
