@@ -1,0 +1,749 @@
+"""One notion of a path for everything a run reads or writes: a local path, or a URL.
+
+- `gs://bucket/key` (Google Cloud Storage) and `s3://bucket/key` (Amazon S3 and S3-compatible stores: R2, MinIO, ...):
+  read and written, through fsspec's gcsfs and s3fs (the `cloud` extra: `pip install 'olmo3eqx[cloud]'`), which
+  orbax's paths (etils.epath) use too, so a checkpoint and a metrics file reach a bucket with the same credentials.
+- `http://` and `https://`: read only (token files, mix roots, task files), one HTTP Range request per read
+  (requests, a core dependency); a server that ignores Range is an error, never a whole-file download.
+- Any other scheme is refused with one sentence naming it (`check`), before any work; a URL never becomes a local
+  path (`pathlib.Path("s3://b/x")` is the relative path `s3:/b/x`: nothing here builds one from a URL).
+
+Credentials are each ecosystem's own: GCS application-default credentials (anonymous when there are none), the AWS
+chain (environment, profiles, instance roles; unsigned requests when there are none), none for http(s). The endpoint
+variables are honoured: `STORAGE_EMULATOR_HOST` (and, from it, tensorstore's `TENSORSTORE_GCS_HTTP_URL`),
+`AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3`. `redact` strips credentials and signatures from a URL before it is
+printed or stored.
+
+Failures: a missing object is FileNotFoundError, a denied one (401/403, or no credentials) `AccessDenied`, both
+permanent and named in one sentence. Transient ones (timeouts, refused connections, 408/429/5xx) are retried with
+exponential backoff for up to `retry_seconds()` (120 s; `OLMO3EQX_STORAGE_RETRY_SECONDS`), then `StorageError`
+(exit 74: relaunch to resume once the store is back).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import functools
+import logging
+import os
+import random
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from olmo3eqx.config import ConfigError
+
+WRITABLE = ("gs", "s3")
+"""Schemes a run can write to (run.dir, convert.py's --out, checkpoints) and read from."""
+READ_ONLY = ("http", "https")
+"""Schemes read one Range request at a time; nothing is ever written there and they cannot be listed."""
+CLOUD_EXTRA = "pip install 'olmo3eqx[cloud]'"
+RETRY_SECONDS = 120.0
+"""How long a transient failure (timeouts, refused connections, 408/429/5xx) is retried before the run stops with
+exit 74; override with OLMO3EQX_STORAGE_RETRY_SECONDS."""
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
+"""Backoff between retries: doubling from the first to the largest pause, each pause jittered by +-50%."""
+SHORT_READ_TRIES = 3
+"""A ranged read that returns fewer bytes than asked is read again this many times before it is an error."""
+HTTP_TIMEOUT_S = 60.0
+READ_THREADS = 16
+"""Concurrent ranged reads per process (read_many): a batch's instances are fetched in parallel."""
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class StorageError(RuntimeError):
+    """A write to the run's storage failed (disk full, quota, I/O error), its free space cannot hold the next
+    checkpoint, or a store stayed unreachable past the retries: the run stops with exits.STORAGE; the committed
+    checkpoints are intact."""
+
+
+class UnsupportedPath(ConfigError):
+    """A URL whose scheme nothing here reads, or a read-only URL given where something is written."""
+
+
+class MissingExtra(ConfigError):
+    """gs:// or s3:// without the `cloud` extra installed."""
+
+
+class AccessDenied(ConfigError):
+    """The store refused access (401/403, or no credentials where the bucket needs them): permanent."""
+
+
+class RangeIgnored(ConfigError):
+    """An http(s) server answered a Range request with the whole file, or with other bytes than asked."""
+
+
+# --- paths -----------------------------------------------------------------------------------------
+
+
+def scheme(path: str | os.PathLike) -> str | None:
+    """The URL scheme of `path` (lower case), None for a local path."""
+    found = _URL.match(str(path))
+    return found.group(1).lower() if found else None
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    return scheme(path) is not None
+
+
+def check(path: str | os.PathLike, what: str, *, write: bool = False) -> str:
+    """`path` as a string (a local one with ~ expanded), after refusing a scheme nothing here handles or, with
+    `write`, a read-only URL: one sentence naming `what` and the scheme."""
+    s = scheme(path)
+    if s is None:
+        return os.path.expanduser(str(path))
+    if s not in WRITABLE + READ_ONLY:
+        raise UnsupportedPath(f"{what} {redact(path)} uses {s}://, which olmo3eqx cannot reach: give a local path, "
+                              f"a gs:// or s3:// URL, or (to read) an http(s):// URL.")
+    if write and s in READ_ONLY:
+        raise UnsupportedPath(f"{what} {redact(path)} is an {s}:// URL, which olmo3eqx only reads: give a local path "
+                              f"or a gs:// or s3:// URL to write to.")
+    return str(path)
+
+
+def path(p: str | os.PathLike, what: str, *, write: bool = False):
+    """A directory or file to read or write as a path object: `pathlib.Path` for a local path, `etils.epath.Path`
+    (the pathlib API over gcsfs/s3fs, what orbax takes) for gs:// and s3://. http(s) URLs name single files only
+    (read them with read_bytes); they are refused here."""
+    s = scheme(p)
+    if s is None:
+        return Path(os.path.expanduser(str(p)))
+    check(p, what, write=write)
+    if s in READ_ONLY:
+        raise UnsupportedPath(f"{what} {redact(p)} is an {s}:// URL: a web server cannot be listed, so it cannot hold "
+                              f"a checkpoint or run directory; give a local path or a gs:// or s3:// URL.")
+    filesystem(s)  # the extra is installed, endpoints and credentials configured
+    from etils import epath
+
+    return epath.Path(str(p))
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """`base` joined with `parts` by '/', for URLs and local paths alike."""
+    if not is_url(base):
+        return os.path.join(str(base), *parts)
+    out = str(base).rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+def basename(p: str | os.PathLike) -> str:
+    return str(p).rstrip("/").rsplit("/", 1)[-1] if is_url(p) else os.path.basename(str(p))
+
+
+def parent(p: str | os.PathLike) -> str:
+    if not is_url(p):
+        return os.path.dirname(str(p))
+    head = str(p).rstrip("/").rsplit("/", 1)[0]
+    return head + "/" if head.endswith(":/") else head
+
+
+def redact(p: str | os.PathLike) -> str:
+    """`p` with the user:password of a URL and its query string (signed URLs' signatures) replaced by '***'."""
+    s = str(p)
+    if not is_url(s):
+        return s
+    parts = urlsplit(s)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", parts.fragment))
+
+
+def redact_tree(value):
+    """A config dict (nested dicts, lists, strings) with every URL in it redacted."""
+    if isinstance(value, dict):
+        return {k: redact_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_tree(v) for v in value)
+    return redact(value) if isinstance(value, str) and is_url(value) else value
+
+
+def local_cache_dir() -> Path:
+    """This host's directory for what must stay local when a run directory is in a bucket (OLMo-core's order
+    index: OLMo-core refuses a remote work dir too)."""
+    return Path(os.path.expanduser(os.environ.get("OLMO3EQX_CACHE", "~/.cache/olmo3eqx")))
+
+
+# --- the stores behind the URLs ---------------------------------------------------------------------
+
+
+_configured = False
+_configure_lock = threading.Lock()
+
+
+def configure_endpoints(environ=os.environ) -> None:
+    """What the libraries need to reach the same stores as the standard variables name, set once per process:
+    tensorstore (orbax's array writes) learns a GCS emulator from STORAGE_EMULATOR_HOST (it reads its own
+    TENSORSTORE_GCS_HTTP_URL, and an emulator takes any token); s3fs reads S3 unsigned when the AWS chain finds no
+    credentials (public buckets, as OLMo-core does); the libraries' per-request warnings stay out of the log."""
+    global _configured
+    with _configure_lock:
+        if _configured:
+            return
+        emulator = environ.get("STORAGE_EMULATOR_HOST")
+        if emulator:
+            url = emulator if "://" in emulator else f"http://{emulator}"
+            environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+            environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+        for name in ("gcsfs", "s3fs", "aiobotocore", "botocore", "google.auth", "urllib3"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # their retries log tracebacks; ours say one line
+        _configured = True
+
+
+@functools.cache
+def s3_anonymous() -> bool:
+    """Whether the AWS chain finds no credentials on this host (then S3 is read unsigned)."""
+    try:
+        import botocore.session
+    except ImportError:
+        return False
+    return botocore.session.get_session().get_credentials() is None
+
+
+def filesystem(s: str):
+    """The fsspec filesystem of scheme gs or s3 (one per process, shared with etils.epath and so with orbax)."""
+    configure_endpoints()
+    import fsspec
+
+    if s == "s3" and s3_anonymous():
+        fsspec.config.conf.setdefault("s3", {}).setdefault("anon", True)
+    try:
+        return fsspec.filesystem(s)
+    except ImportError:
+        module = {"gs": "gcsfs", "s3": "s3fs"}.get(s, s)
+        raise MissingExtra(f"{s}:// paths need {module}, which is not installed: {CLOUD_EXTRA}.") from None
+
+
+def _key(url: str) -> str:
+    """The fsspec path of a gs/s3 URL: bucket/key."""
+    return url.split("://", 1)[1]
+
+
+# --- failures and retries ---------------------------------------------------------------------------
+
+
+class HttpStatus(OSError):
+    """An http(s) answer that is not the one asked for."""
+
+    def __init__(self, status: int, url: str):
+        super().__init__(f"HTTP {status} from {redact(url)}")
+        self.status = status
+
+
+TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
+                              errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN})
+
+
+def failure_kind(e: BaseException) -> str | None:
+    """'missing', 'denied' or 'transient' for a failure of a remote operation; None when it is none of these (a bug
+    keeps its traceback)."""
+    code = getattr(e, "status", None) or getattr(e, "code", None)
+    if isinstance(code, int):
+        if code in (401, 403):
+            return "denied"
+        if code in (404, 410):
+            return "missing"
+        if code in TRANSIENT_HTTP or code >= 500:
+            return "transient"
+    if isinstance(e, FileNotFoundError):
+        return "missing"
+    if isinstance(e, PermissionError) or (type(e) is OSError and str(e).startswith("Forbidden")):  # gcsfs's 403
+        return "denied"
+    name = type(e).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError", "RefreshError", "DefaultCredentialsError"):
+        return "denied"
+    if name in ("ClientError",):  # botocore, not translated by s3fs
+        err = getattr(e, "response", {}).get("Error", {})
+        status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if err.get("Code") in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status in (401, 403):
+            return "denied"
+        if err.get("Code") in ("NoSuchKey", "NoSuchBucket") or status == 404:
+            return "missing"
+        return "transient" if status in TRANSIENT_HTTP or status >= 500 else None
+    module = type(e).__module__
+    if isinstance(e, (TimeoutError, ConnectionError)) or module.startswith(
+            ("aiohttp", "requests", "urllib3", "google.api_core", "google.auth.exceptions")):
+        return "transient"
+    if module.startswith("botocore") and name.endswith(("ConnectionError", "TimeoutError", "ClosedError")):
+        return "transient"
+    if isinstance(e, OSError) and not isinstance(e, (FileExistsError, IsADirectoryError, NotADirectoryError)):
+        # gcsfs/s3fs raise plain OSErrors for server errors they gave up retrying
+        return "transient" if e.errno in TRANSIENT_ERRNOS or e.errno in (None, errno.EIO) else None
+    return None
+
+
+def retry_seconds() -> float:
+    return float(os.environ.get("OLMO3EQX_STORAGE_RETRY_SECONDS", RETRY_SECONDS))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+T = TypeVar("T")
+
+
+def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
+    """op(), retried while it fails transiently, for up to retry_seconds(); then StorageError. A missing object is
+    FileNotFoundError and a denied one AccessDenied, each one sentence naming the URL (callers say what to fix)."""
+    deadline = time.monotonic() + retry_seconds()
+    pause, warned = RETRY_FIRST_S, False
+    while True:
+        try:
+            return op()
+        except Exception as e:  # noqa: BLE001 - classified below; anything unknown is re-raised as it is
+            kind = failure_kind(e)
+            if kind == "missing":
+                raise FileNotFoundError(f"{redact(url)} does not exist") from None
+            if kind == "denied":
+                raise AccessDenied(
+                    f"Access to {redact(url)} was denied ({_first_line(e)}); check the credentials this host uses "
+                    f"for {scheme(url)}:// ({credentials_hint(url)}) and that they may read"
+                    f"{'' if what == 'reading' else ' and write'} the bucket.") from None
+            if kind != "transient":
+                raise
+            if time.monotonic() + pause > deadline:
+                raise StorageError(f"{what.capitalize()} {redact(url)} failed for {retry_seconds():.0f} s "
+                                   f"({_first_line(e)}); check that the store is reachable and relaunch to resume"
+                                   ) from None
+            if not warned:
+                print(f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
+                      f"{retry_seconds():.0f} s.", file=sys.stderr, flush=True)
+                warned = True
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(2 * pause, RETRY_MAX_S)
+
+
+def credentials_hint(url: str) -> str:
+    s = scheme(url)
+    if s == "gs":
+        return "application-default credentials: gcloud auth application-default login, or " \
+               "GOOGLE_APPLICATION_CREDENTIALS"
+    if s == "s3":
+        return "AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or the instance role; AWS_ENDPOINT_URL for R2 " \
+               "and MinIO"
+    return "the URL itself: a signed URL may have expired"
+
+
+# --- http(s): one Range request per read -------------------------------------------------------------
+
+
+_http_local = threading.local()
+
+
+def _http():
+    session = getattr(_http_local, "session", None)
+    if session is None:
+        import requests
+
+        session = _http_local.session = requests.Session()
+    return session
+
+
+def _http_size(url: str) -> int:
+    r = _http().head(url, allow_redirects=True, timeout=HTTP_TIMEOUT_S)
+    if r.status_code != 200:
+        raise HttpStatus(r.status_code, url)
+    if "content-length" in r.headers and r.headers.get("content-encoding") in (None, "identity"):
+        return int(r.headers["content-length"])
+    r = _http().get(url, headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}, stream=True,
+                    timeout=HTTP_TIMEOUT_S)
+    with contextlib.closing(r):
+        total = _content_range(r, url)[2]
+    return total
+
+
+def _content_range(r, url: str) -> tuple[int, int, int]:
+    found = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("content-range", "").strip())
+    if r.status_code != 206 or not found:
+        if r.status_code in (200, 206):
+            raise RangeIgnored(f"{redact(url)} ignored a Range request (HTTP {r.status_code}, Content-Range "
+                               f"{r.headers.get('content-range')!r}): olmo3eqx reads token files one instance at a "
+                               f"time and never downloads whole files; serve them from a server that honours Range "
+                               f"requests, or copy them to local disk or a bucket.")
+        raise HttpStatus(r.status_code, url)
+    return int(found.group(1)), int(found.group(2)), int(found.group(3))
+
+
+def _http_range(url: str, start: int, end: int) -> bytes:
+    headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+    r = _http().get(url, headers=headers, stream=True, timeout=HTTP_TIMEOUT_S)
+    with contextlib.closing(r):
+        if r.status_code not in (200, 206):
+            raise HttpStatus(r.status_code, url)
+        first, last, _ = _content_range(r, url)  # before the body: a 200 is never read
+        if (first, last) != (start, end - 1):
+            raise RangeIgnored(f"{redact(url)} answered bytes {first}-{last} to a request for {start}-{end - 1}; "
+                               f"serve the files from a server that honours Range requests.")
+        return r.raw.read(end - start, decode_content=False)
+
+
+def _http_get(url: str) -> bytes:
+    r = _http().get(url, timeout=HTTP_TIMEOUT_S)
+    if r.status_code != 200:
+        raise HttpStatus(r.status_code, url)
+    return r.content
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+def size(p: str) -> int:
+    """Bytes in the file or object `p` (HEAD / metadata for a URL)."""
+    s = scheme(p)
+    if s is None:
+        return os.path.getsize(p)
+    if s in READ_ONLY:
+        return retrying(lambda: _http_size(p), p)
+    fs = filesystem(s)
+    return int(retrying(lambda: fs.size(_key(p)), p))
+
+
+def exists(p: str) -> bool:
+    s = scheme(p)
+    if s is None:
+        return os.path.exists(p)
+    try:
+        size(p) if s in READ_ONLY else retrying(lambda: filesystem(s).info(_key(p)), p)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def isfile(p: str) -> bool:
+    s = scheme(p)
+    if s is None:
+        return os.path.isfile(p)
+    if s in READ_ONLY:
+        return exists(p)
+    try:
+        info = retrying(lambda: filesystem(s).info(_key(p)), p)
+    except FileNotFoundError:
+        return False
+    return info.get("type") == "file"
+
+
+def isdir(p: str) -> bool:
+    """A local directory, or a gs/s3 prefix holding at least one object; never for http(s), which cannot be
+    listed."""
+    s = scheme(p)
+    if s is None:
+        return os.path.isdir(p)
+    if s in READ_ONLY:
+        return False
+    fs = filesystem(s)
+    return bool(retrying(lambda: fs.isdir(_key(p)), p))
+
+
+def listdir(p: str) -> list[str]:
+    """The full paths directly under directory (prefix) `p`, sorted."""
+    s = scheme(p)
+    if s is None:
+        return sorted(os.path.join(p, name) for name in os.listdir(p))
+    if s in READ_ONLY:
+        raise UnsupportedPath(f"{redact(p)} cannot be listed (a web server has no directory listing); name its "
+                              f"files one by one.")
+    fs = filesystem(s)
+    fs.invalidate_cache(_key(p))
+    entries = retrying(lambda: fs.ls(_key(p), detail=False), p)
+    return sorted(f"{s}://{e.rstrip('/')}" for e in entries if e.rstrip("/") != _key(p).rstrip("/"))
+
+
+def glob(pattern: str) -> list[str]:
+    """Sorted files matching a glob (`**` crosses directories), local or in a bucket."""
+    s = scheme(pattern)
+    if s is None:
+        from glob import glob as local_glob
+
+        return sorted(p for p in local_glob(pattern, recursive=True) if os.path.isfile(p))
+    if s in READ_ONLY:
+        raise UnsupportedPath(f"{redact(pattern)} is a glob over an {s}:// URL, which cannot be listed; name the "
+                              f"files one by one (or use data.mix with data.mix_root).")
+    fs = filesystem(s)
+    fs.invalidate_cache()
+    hits = retrying(lambda: fs.glob(_key(pattern), detail=True), pattern)
+    return sorted(f"{s}://{k}" for k, info in hits.items() if info.get("type") == "file")
+
+
+def read_bytes(p: str, start: int | None = None, end: int | None = None) -> bytes:
+    """Bytes [start, end) of `p` (the whole file without them): exactly end - start bytes, or an error naming `p`,
+    never fewer or other bytes. A URL is read with one ranged request, retried as `retrying` says."""
+    s = scheme(p)
+    if s is None:
+        with open(p, "rb") as f:
+            if start is None:
+                return f.read()
+            f.seek(start)
+            data = f.read(end - start)
+    else:
+        data = retrying(lambda: _read_remote(s, p, start, end), p)
+    if start is not None and len(data) != end - start:
+        raise ConfigError(f"{redact(p)} returned {len(data)} bytes for bytes {start}-{end - 1} ({end - start} asked): "
+                          f"the file is shorter than when it was opened, or the server truncates its answers.")
+    return data
+
+
+def _read_remote(s: str, p: str, start: int | None, end: int | None) -> bytes:
+    if start is None:
+        return _http_get(p) if s in READ_ONLY else filesystem(s).cat_file(_key(p))
+    for _ in range(SHORT_READ_TRIES):  # a short answer (a dropped connection) is read again
+        data = _http_range(p, start, end) if s in READ_ONLY else filesystem(s).cat_file(_key(p), start=start, end=end)
+        if len(data) == end - start:
+            break
+    return data
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def read_many(reads: Sequence[tuple[str, int, int]]) -> list[bytes]:
+    """read_bytes of each (path, start, end), remote ones READ_THREADS at a time (the first failure raises)."""
+    global _pool, _pool_pid
+    if not any(is_url(p) for p, _, _ in reads) or len(reads) < 2:
+        return [read_bytes(p, a, b) for p, a, b in reads]
+    if _pool is None or _pool_pid != os.getpid():
+        _pool, _pool_pid = concurrent.futures.ThreadPoolExecutor(READ_THREADS, "olmo3eqx-read"), os.getpid()
+    return list(_pool.map(lambda r: read_bytes(*r), reads))
+
+
+def read_text(p: str) -> str:
+    return read_bytes(p).decode("utf-8")
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+
+def _writable(p: str) -> str:
+    s = check(p, "Output", write=True)
+    return s
+
+
+def makedirs(p: str) -> None:
+    """A local directory (and its parents); nothing for a bucket, whose prefixes exist once an object does."""
+    if not is_url(p):
+        os.makedirs(p, exist_ok=True)
+    else:
+        _writable(p)
+
+
+def write_bytes(p: str, data: bytes) -> None:
+    """Replace `p` with `data` at once: a reader sees the old content or the new, never part (local: a temporary
+    file renamed over it; a bucket: one PUT)."""
+    s = scheme(_writable(p))
+    if s is None:
+        tmp = f"{p}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return
+    fs = filesystem(s)
+    retrying(lambda: fs.pipe_file(_key(p), data), p, "writing")
+
+
+def write_text(p: str, text: str) -> None:
+    write_bytes(p, text.encode("utf-8"))
+
+
+def append_bytes(p: str, data: bytes) -> None:
+    """Add `data` at the end of object `p` (created if absent) without rewriting it from this host: GCS composes
+    the object with a part uploaded beside it, S3 copies it server-side into a multipart upload (s3fs's append, which
+    re-uploads objects under 5 MiB). Each append is atomic (readers see it whole or not at all); one writer per
+    object."""
+    s = scheme(_writable(p))
+    if s is None:
+        with open(p, "ab") as f:
+            f.write(data)
+        return
+    fs = filesystem(s)
+    key = _key(p)
+
+    def append():
+        fs.invalidate_cache(key)
+        if not fs.exists(key):
+            fs.pipe_file(key, data)
+        elif s == "gs":
+            part = f"{key}.part-{uuid.uuid4().hex}"
+            fs.pipe_file(part, data)
+            try:
+                fs.merge(key, [key, part])
+            finally:
+                fs.rm(part)
+        else:
+            with fs.open(key, "ab") as f:
+                f.write(data)
+
+    retrying(append, p, "writing")
+
+
+def remove(p: str) -> None:
+    """Delete one file or object (a missing one is no error)."""
+    s = scheme(_writable(p))
+    if s is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+        return
+    fs = filesystem(s)
+    with contextlib.suppress(FileNotFoundError):
+        retrying(lambda: fs.rm(_key(p)), p, "deleting")
+
+
+def rmtree(p: str) -> None:
+    s = scheme(_writable(p))
+    if s is None:
+        shutil.rmtree(p, ignore_errors=True)
+        return
+    fs = filesystem(s)
+    with contextlib.suppress(FileNotFoundError):
+        retrying(lambda: fs.rm(_key(p), recursive=True), p, "deleting")
+
+
+def move_tree(src: str, dst: str) -> None:
+    """Rename directory `src` to `dst` (a bucket: copy every object, then delete the originals)."""
+    s = scheme(_writable(src))
+    if s is None:
+        os.replace(src, dst)
+        return
+    fs = filesystem(s)
+    retrying(lambda: fs.copy(_key(src), _key(dst), recursive=True), src, "copying")
+    rmtree(src)
+
+
+def upload_tree(local: str | os.PathLike, dst: str, last: Iterable[str] = ()) -> None:
+    """Copy local directory `local` to `dst` (a local directory or a bucket prefix), file by file; the files named in
+    `last` (paths relative to `local`, e.g. a commit marker) are copied after all the others."""
+    local = str(local)
+    late = set(last)
+    files = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
+    for rel in [f for f in files if f not in late] + [f for f in files if f in late]:
+        target = join(dst, *rel.split(os.sep))
+        if not is_url(dst):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(os.path.join(local, rel), target)
+            continue
+        fs = filesystem(scheme(dst))
+        retrying(lambda: fs.put_file(os.path.join(local, rel), _key(target)), target, "writing")
+
+
+# --- conditional writes (the run lease) ----------------------------------------------------------------
+
+
+@functools.cache
+def _gcs_client():
+    from google.cloud import storage as gcs
+
+    configure_endpoints()
+    try:
+        return gcs.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or None)
+    except Exception:  # noqa: BLE001 - no credentials and no project: reads of public buckets still work
+        return gcs.Client.create_anonymous_client()
+
+
+def _gcs_blob(url: str):
+    bucket, _, key = _key(url).partition("/")
+    return _gcs_client().bucket(bucket).blob(key)
+
+
+def read_versioned(p: str) -> tuple[bytes, str, float] | None:
+    """(content, version, server time of the last write in unix seconds) of object `p`, None when it does not exist;
+    the version (a GCS generation, an S3 ETag) is what write_versioned compares against. The clients' own retries
+    are off: `retrying` bounds them."""
+    s = scheme(_writable(p))
+    if s == "gs":
+        def read():
+            bucket, _, key = _key(p).partition("/")
+            while True:
+                blob = _gcs_client().bucket(bucket).get_blob(key, retry=None)  # metadata: generation, time
+                if blob is None:
+                    return None
+                try:  # the content of that generation, or a new look when the object changed in between
+                    data = blob.download_as_bytes(if_generation_match=blob.generation, retry=None)
+                except Exception as e:  # noqa: BLE001
+                    if failure_kind(e) == "missing" or getattr(e, "code", None) == 412:
+                        continue
+                    raise
+                return data, str(blob.generation), blob.updated.timestamp()
+        return retrying(read, p)
+    fs = filesystem(s)
+    bucket, _, key = _key(p).partition("/")
+
+    async def get():
+        out = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        async with out["Body"] as body:
+            return await body.read(), out["ETag"], out["LastModified"].timestamp()
+
+    def read():
+        import fsspec.asyn
+
+        try:
+            return fsspec.asyn.sync(fs.loop, get)
+        except FileNotFoundError:
+            return None
+    return retrying(read, p)
+
+
+def write_versioned(p: str, data: bytes, expect: str | None) -> str | None:
+    """Write object `p` only if it is still at version `expect` (None: only if it does not exist yet); the new
+    version, or None when another writer got there first. (No conditional delete: fake-gcs-server ignores its
+    precondition, so the lease releases by writing an empty record instead.)"""
+    s = scheme(_writable(p))
+    if s == "gs":
+        def write():
+            blob = _gcs_blob(p)
+            try:
+                blob.upload_from_string(data, if_generation_match=0 if expect is None else int(expect), retry=None)
+            except Exception as e:  # noqa: BLE001
+                if getattr(e, "code", None) == 412 or type(e).__name__ == "PreconditionFailed":
+                    return None
+                raise
+            return str(blob.generation)
+        return retrying(write, p, "writing")
+    fs = filesystem(s)
+    bucket, _, key = _key(p).partition("/")
+    condition = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect}
+
+    def write():
+        try:
+            out = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except OSError as e:  # s3fs turns 412 Precondition Failed into FileExistsError or EINVAL
+            if isinstance(e, FileExistsError) or "pre-condition" in str(e).lower():
+                return None
+            raise
+        return out["ETag"]
+    return retrying(write, p, "writing")
+
+
+def describe(p: str) -> str:
+    """How a path is reached, for the log: 'local', or the store and its endpoint."""
+    s = scheme(p)
+    if s is None:
+        return "local disk"
+    if s == "gs":
+        host = os.environ.get("STORAGE_EMULATOR_HOST")
+        return f"Google Cloud Storage{f' (emulator {host})' if host else ''}"
+    if s == "s3":
+        host = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return f"S3{f' at {host}' if host else ''}{' (unsigned)' if s3_anonymous() else ''}"
+    return "HTTP Range requests"
+
+
+def stores_in(values: Iterable[Any]) -> set[str]:
+    """The schemes of the URLs among `values` (strings; others ignored)."""
+    return {scheme(v) for v in values if isinstance(v, str) and is_url(v)}

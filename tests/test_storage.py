@@ -1,0 +1,191 @@
+"""olmo3eqx.storage against real servers on 127.0.0.1 (tests/stores.py): fake-gcs-server, moto's S3 and a web
+server whose Range handling the tests switch. Every read returns exactly the bytes asked or an error naming the URL."""
+
+import os
+import re
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo3eqx import storage
+from olmo3eqx.config import ConfigError
+
+BUCKETS = ("gs", "s3")
+
+
+@pytest.fixture
+def prefix(stores, request):
+    """A fresh prefix in the test bucket of each store."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:40]
+    return lambda scheme: stores.url(scheme, f"{name}-{uuid.uuid4().hex[:6]}")
+
+
+# --- paths -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["az://container/x", "hdfs://namenode/data", "ftp://host/file.npy", "hf://org/x"])
+def test_a_scheme_nothing_reads_is_refused_with_one_sentence_naming_it(url):
+    with pytest.raises(storage.UnsupportedPath) as e:
+        storage.check(url, "data.paths")
+    scheme = url.split("://")[0]
+    assert f"{scheme}://" in str(e.value) and "data.paths" in str(e.value) and str(e.value).count(".") <= 3
+    with pytest.raises(storage.UnsupportedPath):
+        storage.path(url, "run.dir", write=True)
+
+
+def test_http_is_read_only_and_never_a_directory():
+    assert storage.check("https://olmo-data.org/x.npy", "data.paths") == "https://olmo-data.org/x.npy"
+    with pytest.raises(storage.UnsupportedPath, match="only reads"):
+        storage.check("https://olmo-data.org/runs", "run.dir", write=True)
+    with pytest.raises(storage.UnsupportedPath, match="cannot be listed"):
+        storage.path("https://olmo-data.org/ckpt", "init_from")
+    with pytest.raises(storage.UnsupportedPath, match="cannot be listed"):
+        storage.glob("https://olmo-data.org/*.npy")
+
+
+def test_local_paths_stay_pathlib_and_urls_never_become_local(tmp_path, stores):
+    assert storage.path("~/x", "run.dir") == Path(os.path.expanduser("~/x"))
+    assert type(storage.path(str(tmp_path), "run.dir")) is type(tmp_path)
+    for scheme in BUCKETS:
+        p = storage.path(f"{scheme}://bucket/run", "run.dir", write=True) / "checkpoints"
+        assert str(p) == f"{scheme}://bucket/run/checkpoints"
+    assert storage.join("s3://b/run/", "tb", "events") == "s3://b/run/tb/events"
+    assert storage.parent("gs://b/run/metrics.jsonl") == "gs://b/run" and storage.basename("gs://b/a/x.npy") == "x.npy"
+
+
+def test_redact_removes_credentials_and_signatures():
+    assert storage.redact("https://user:secret@host/a.npy?X-Amz-Signature=abc&X-Amz-Credential=k") == \
+        "https://***@host/a.npy?***"
+    assert storage.redact("gs://bucket/a.npy") == "gs://bucket/a.npy"
+    assert storage.redact_tree({"data": {"paths": ["https://u:p@h/a.npy", "local.npy"]}, "n": 3}) == \
+        {"data": {"paths": ["https://***@h/a.npy", "local.npy"]}, "n": 3}
+
+
+# --- buckets ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", BUCKETS)
+def test_bucket_reads_and_writes(prefix, scheme):
+    base = prefix(scheme)
+    data = np.arange(5000, dtype=np.uint32).tobytes()
+    storage.write_bytes(storage.join(base, "d", "a.npy"), data)
+    storage.write_bytes(storage.join(base, "d", "sub", "b.npy"), data[:400])
+    storage.write_text(storage.join(base, "d", "c.txt"), "hello")
+    assert storage.size(storage.join(base, "d", "a.npy")) == len(data)
+    assert storage.read_bytes(storage.join(base, "d", "a.npy"), 4000, 4008) == data[4000:4008]
+    assert storage.read_bytes(storage.join(base, "d", "c.txt")) == b"hello"
+    assert storage.isdir(storage.join(base, "d")) and not storage.isfile(storage.join(base, "d"))
+    assert storage.isfile(storage.join(base, "d", "a.npy")) and not storage.exists(storage.join(base, "d", "zz"))
+    assert storage.glob(storage.join(base, "d", "*.npy")) == [storage.join(base, "d", "a.npy")]
+    assert storage.glob(storage.join(base, "d", "**", "*.npy")) == [storage.join(base, "d", "a.npy"),
+                                                                     storage.join(base, "d", "sub", "b.npy")]
+    assert storage.listdir(storage.join(base, "d")) == [storage.join(base, "d", x) for x in ("a.npy", "c.txt", "sub")]
+    got = storage.read_many([(storage.join(base, "d", "a.npy"), 4 * i, 4 * i + 40) for i in range(30)])
+    assert got == [data[4 * i:4 * i + 40] for i in range(30)]
+    storage.remove(storage.join(base, "d", "c.txt"))
+    assert not storage.exists(storage.join(base, "d", "c.txt"))
+    with pytest.raises(FileNotFoundError, match=storage.join(base, "d", "missing.npy")):
+        storage.read_bytes(storage.join(base, "d", "missing.npy"), 0, 8)
+
+
+@pytest.mark.parametrize("scheme", BUCKETS)
+def test_a_read_past_the_end_is_an_error_never_fewer_bytes(prefix, scheme):
+    url = storage.join(prefix(scheme), "short.npy")
+    storage.write_bytes(url, b"x" * 100)
+    with pytest.raises(ConfigError, match=f"{url} returned 10 bytes for bytes 90-109"):
+        storage.read_bytes(url, 90, 110)
+
+
+@pytest.mark.parametrize("scheme", BUCKETS)
+def test_append_keeps_every_line_in_order(prefix, scheme):
+    url = storage.join(prefix(scheme), "metrics.jsonl")
+    lines = [f'{{"step": {i}}}\n'.encode() for i in range(5)]
+    for line in lines:
+        storage.append_bytes(url, line)
+    assert storage.read_bytes(url) == b"".join(lines)
+    assert storage.listdir(storage.parent(url)) == [url]  # no part object left beside it
+
+
+@pytest.mark.parametrize("scheme", BUCKETS)
+def test_versioned_writes_let_one_writer_win(prefix, scheme):
+    url = storage.join(prefix(scheme), "trainer.lock")
+    assert storage.read_versioned(url) is None
+    v1 = storage.write_versioned(url, b"a", None)
+    assert v1 is not None and storage.write_versioned(url, b"b", None) is None  # exists: a second create loses
+    data, version, written = storage.read_versioned(url)
+    assert (data, version) == (b"a", v1) and abs(written - time.time()) < 120
+    v2 = storage.write_versioned(url, b"c", v1)
+    assert v2 is not None and v2 != v1 and storage.write_versioned(url, b"d", v1) is None  # v1 is stale
+    assert storage.read_versioned(url)[0] == b"c"
+
+
+# --- http(s) ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(stores, tmp_path):
+    data = np.random.default_rng(0).integers(0, 2**32, 10_000, dtype=np.uint32).tobytes()
+    name = f"tokens-{uuid.uuid4().hex[:6]}.npy"
+    (tmp_path / name).write_bytes(data)
+    return stores.publish(tmp_path / name, "data", name), data
+
+
+def test_http_reads_one_range_request_each(stores, served):
+    url, data = served
+    assert storage.size(url) == len(data)
+    stores.http.server.requests.clear()
+    assert storage.read_bytes(url, 4096, 4096 + 256) == data[4096:4096 + 256]
+    assert stores.http.server.requests == [("GET", url.split(stores.http.url)[1], "bytes=4096-4351")]
+
+
+def test_a_server_that_ignores_range_is_an_error_naming_the_url(stores, served):
+    url, _ = served
+    with stores.http.mode("ignore"), pytest.raises(storage.RangeIgnored) as e:
+        storage.read_bytes(url, 4096, 4096 + 256)
+    assert url in str(e.value) and "Range" in str(e.value)
+
+
+def test_a_short_body_is_an_error_never_fewer_tokens(stores, served):
+    url, _ = served
+    with stores.http.mode("truncate"), pytest.raises(ConfigError) as e:
+        storage.read_bytes(url, 4096, 4096 + 256)
+    assert url in str(e.value) and "returned 128 bytes" in str(e.value)
+
+
+def test_http_missing_and_denied_are_permanent(stores):
+    with pytest.raises(FileNotFoundError, match="nothing-here.npy does not exist"):
+        storage.read_bytes(stores.url("http", "nothing-here.npy"), 0, 8)
+    t = time.monotonic()
+    with pytest.raises(storage.AccessDenied, match="denied/x.npy was denied"):
+        storage.size(stores.url("http", "denied", "x.npy"))
+    assert time.monotonic() - t < 5  # not retried
+
+
+def test_transient_http_failures_are_retried(stores, served, capfd):
+    url, data = served
+    stores.http.server.failures[url.split(stores.http.url)[1]] = 2  # two 503s, then the file
+    assert storage.read_bytes(url, 0, 64) == data[:64]
+    err = capfd.readouterr().err
+    assert err.count("warning: reading") == 1 and "503" in err and "retrying" in err
+
+
+def test_a_store_that_stays_away_stops_with_a_storage_error(stores, prefix, monkeypatch):
+    url = storage.join(prefix("s3"), "x.bin")
+    storage.write_bytes(url, b"0123456789")
+    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "3")
+    with stores.down("s3"), pytest.raises(storage.StorageError) as e:
+        storage.read_bytes(url, 0, 4)
+    assert url in str(e.value) and "failed for 3 s" in str(e.value) and "relaunch" in str(e.value)
+
+
+def test_a_store_back_within_the_retries_loses_nothing(stores, prefix):
+    url = storage.join(prefix("s3"), "x.bin")
+    storage.write_bytes(url, b"0123456789")
+    with stores.down("s3"):
+        threading.Timer(2.0, stores.relay.up).start()
+        assert storage.read_bytes(url, 2, 6) == b"2345"
+        stores.relay.down()  # the context manager brings it up again
