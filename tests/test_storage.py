@@ -186,6 +186,6 @@ def test_a_store_back_within_the_retries_loses_nothing(stores, prefix):
     url = storage.join(prefix("s3"), "x.bin")
     storage.write_bytes(url, b"0123456789")
     with stores.down("s3"):
-        threading.Timer(2.0, stores.relay.up).start()
+        threading.Timer(2.0, stores.relays["s3"].up).start()
         assert storage.read_bytes(url, 2, 6) == b"2345"
-        stores.relay.down()  # the context manager brings it up again
+        stores.relays["s3"].down()  # the context manager brings it up again

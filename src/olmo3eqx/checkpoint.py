@@ -13,6 +13,11 @@ restore just those top-level parts (`restore_parts`); nothing else is read.
 A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
 background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
 the checkpoints committed before it stay intact (orbax deletes old steps only after a new one commits).
+
+Every directory here may be local or a gs:// or s3:// URL (olmo3eqx.storage). On a bucket orbax writes the arrays
+through tensorstore's own gcs/s3 kvstores (orbax_s3 teaches it s3://) and the rest through etils.epath; a step is
+written under its final name and committed by `commit_success.txt` written last (a bucket cannot rename a directory
+atomically), so a step without one is torn, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,17 +41,39 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
+from olmo3eqx import storage
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
 from olmo3eqx.model import OLMo3, abstract_model
 from olmo3eqx.sharding import is_leaf_like, with_shardings
+from olmo3eqx.storage import StorageError, StorePath
 
 STATE = "state"
 """The item holding the train state (or a converted model) of every checkpoint step."""
+COMMITTED = "commit_success.txt"
+"""What orbax writes last into a step it commits on a bucket (and locally with async saves); convert.py's steps on a
+bucket get one too."""
 
 
-def save_model(directory: str | Path, model: OLMo3, cfg: ModelConfig, step: int = 0, extra_config: dict | None = None):
+def checkpoint_dir(directory, what: str = "Checkpoint", *, write: bool = False) -> StorePath:
+    """A checkpoint directory as the path object orbax takes: an absolute pathlib.Path, or an etils.epath.Path of a
+    gs:// or s3:// URL (with orbax taught s3://)."""
+    d = storage.path(directory, what, write=write)
+    if isinstance(d, Path):
+        return d.absolute()
+    if str(d).startswith("s3://"):
+        from olmo3eqx import orbax_s3
+
+        orbax_s3.install()
+    return d
+
+
+def is_remote(directory) -> bool:
+    return storage.is_url(directory)
+
+
+def save_model(directory: str | StorePath, model: OLMo3, cfg: ModelConfig, step: int = 0, extra_config: dict | None = None):
     """Write `model` as step `step` of the checkpoint directory (blocking): a state of the model alone."""
-    directory = Path(directory).absolute()
+    directory = checkpoint_dir(directory, write=True)
     config = {"model": to_dict(cfg), **(extra_config or {})}
     with ocp.CheckpointManager(directory, item_names=(STATE, "config")) as mngr:
         mngr.save(step, args=ocp.args.Composite(
@@ -62,14 +90,24 @@ def _nest(path: tuple[str, ...], leaf) -> dict:
     return leaf
 
 
-def save_model_leaves(directory: str | Path, cfg: ModelConfig, leaves: Iterable[tuple[tuple[str, ...], jax.Array]],
+def save_model_leaves(directory: str | StorePath, cfg: ModelConfig, leaves: Iterable[tuple[tuple[str, ...], jax.Array]],
                       step: int = 0, extra_config: dict | None = None) -> None:
     """Write step `step` of the checkpoint directory from the model's leaves given one at a time as (attribute path,
     array), e.g. (("blocks", "mlp", "up_proj", "weight"), x): each is written (orbax's partial save) and released
     before the next is asked for, so memory stays near one leaf. The result is save_model's layout, read back by
-    load_model and restore_parts. Staged under `<step>.partial` and renamed into place when complete. One process
-    (the conversion tools run in one)."""
-    directory = Path(directory).absolute()
+    load_model and restore_parts. Staged under `<step>.partial` and renamed into place when complete. A directory in
+    a bucket is staged in a local temporary directory (orbax's partial save cannot write a bucket: "Snapshot is not
+    supported for CommitFileTemporaryPath"; TMPDIR must hold the checkpoint), then uploaded file by file, COMMITTED
+    last. One process (the conversion tools run in one)."""
+    if is_remote(directory):
+        target = checkpoint_dir(directory, write=True)
+        with tempfile.TemporaryDirectory(prefix="olmo3eqx-convert-") as tmp:
+            save_model_leaves(tmp, cfg, leaves, step, extra_config)
+            local = Path(tmp) / str(step)
+            (local / COMMITTED).write_text(f"checkpoint step {step} written by olmo3eqx\n")
+            storage.upload_tree(local, str(target / str(step)), last=[COMMITTED])
+        return
+    directory = checkpoint_dir(directory, write=True)
     staging, final = directory / f"{step}.partial", directory / str(step)
     directory.mkdir(parents=True, exist_ok=True)
     for path, leaf in leaves:
@@ -81,29 +119,37 @@ def save_model_leaves(directory: str | Path, cfg: ModelConfig, leaves: Iterable[
     staging.rename(final)
 
 
-def complete_steps(path: str | Path) -> tuple[Path, list[int]]:
+def is_complete_step(p) -> bool:
+    """A step directory holding a whole checkpoint: locally its state (orbax renames a step into place when it is
+    whole), on a bucket its commit marker (written last)."""
+    return (p / COMMITTED).exists() if is_remote(p) else (p / STATE).is_dir()
+
+
+def complete_steps(path: str | StorePath) -> tuple[StorePath, list[int]]:
     """(manager root, its complete steps in order) of a manager root or a run directory."""
-    path = Path(path).absolute()
+    path = checkpoint_dir(path)
     if not path.exists():
-        raise FileNotFoundError(f"Checkpoint {path} does not exist; pass the directory convert.py or train.py wrote.")
+        raise FileNotFoundError(f"Checkpoint {storage.redact(path)} does not exist; pass the directory convert.py or "
+                                f"train.py wrote.")
     if (path / "checkpoints").is_dir():  # a run directory
         path = path / "checkpoints"
-    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / STATE).is_dir())
+    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and is_complete_step(p))
     if not steps:
-        raise FileNotFoundError(f"No complete checkpoint step under {path}; expected <step>/{STATE}/ subdirectories.")
+        raise FileNotFoundError(f"No complete checkpoint step under {storage.redact(path)}; expected <step>/{STATE}/ "
+                                f"subdirectories{f' with {COMMITTED}' if is_remote(path) else ''}.")
     return path, steps
 
 
-def resolve_step_dir(path: str | Path) -> tuple[Path, int]:
+def resolve_step_dir(path: str | StorePath) -> tuple[StorePath, int]:
     """Accept a manager root (newest complete step wins) or one step directory; return (root, step)."""
-    path = Path(path).absolute()
-    if (path / STATE).is_dir() and path.name.isdigit():
+    path = checkpoint_dir(path)
+    if path.name.isdigit() and is_complete_step(path):
         return path.parent, int(path.name)
     root, steps = complete_steps(path)
     return root, steps[-1]
 
 
-def read_config(root: Path, step: int) -> dict:
+def read_config(root: StorePath, step: int) -> dict:
     with ocp.CheckpointManager(root, item_names=("config",)) as mngr:
         return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
@@ -115,12 +161,12 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
         raise ConfigError(f"The config stored in checkpoint {where} is not a valid model config: {e}") from None
 
 
-def saved_parts(root: Path, step: int) -> list[str]:
+def saved_parts(root: StorePath, step: int) -> list[str]:
     """The top-level parts of a step's saved state (a training checkpoint: every TrainState field)."""
     return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
 
 
-def restore_parts(root: Path, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
+def restore_parts(root: StorePath, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
     """Top-level parts of a step's saved state, each restored onto its target (a tree like the part, whose array
     leaves are sharded ShapeDtypeStructs, see sharding.with_shardings; `restore_args`, a tree like `targets`, can ask
     for another type); the other parts are not read."""
@@ -134,7 +180,7 @@ def restore_parts(root: Path, step: int, targets: dict[str, Any], restore_args=N
         return dict(mngr.restore(step, args=ocp.args.Composite(state=args))[STATE])
 
 
-def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLMo3:
+def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None) -> OLMo3:
     """Restore the model arrays of `step` onto `sharding` (a pytree of shardings like the model, or one)."""
     abstract = abstract_model(cfg)
     params, static = eqx.partition(abstract, is_leaf_like)
@@ -145,7 +191,7 @@ def restore_model(root: Path, step: int, cfg: ModelConfig, sharding=None) -> OLM
     return eqx.combine(restored, static)
 
 
-def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
+def restore_model_leaf(root: StorePath, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
     """One model leaf (attribute path, as in save_model_leaves) of a step's state, shaped `like`, as a host array (no
     device needs to hold it); no other array is read."""
     restore_args = _nest(path, ocp.RestoreArgs(restore_type=np.ndarray, dtype=like.dtype))
@@ -155,13 +201,13 @@ def restore_model_leaf(root: Path, step: int, path: tuple[str, ...], like: jax.S
     return tree
 
 
-def open_model(ckpt_dir: str | Path) -> tuple[Path, int, ModelConfig]:
+def open_model(ckpt_dir: str | StorePath) -> tuple[StorePath, int, ModelConfig]:
     """(manager root, step, model config) of a checkpoint directory (manager root, run dir or step dir)."""
     root, step = resolve_step_dir(ckpt_dir)
     return root, step, model_config_from_dict(read_config(root, step), str(root / str(step)))
 
 
-def load_model(ckpt_dir: str | Path, sharding=None) -> tuple[OLMo3, ModelConfig]:
+def load_model(ckpt_dir: str | StorePath, sharding=None) -> tuple[OLMo3, ModelConfig]:
     """The model and its config from a checkpoint directory (manager root, run dir or step dir)."""
     root, step, cfg = open_model(ckpt_dir)
     return restore_model(root, step, cfg, sharding), cfg
@@ -176,17 +222,31 @@ class CheckpointLoadError(RuntimeError):
     """Every checkpoint in a run directory failed to load: never start from scratch over them."""
 
 
-class StorageError(RuntimeError):
-    """A write to the run's storage failed (disk full, quota, I/O error), or its free space cannot hold the next
-    checkpoint: the run stops with exits.STORAGE; the committed checkpoints are intact."""
-
-
 TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
 """How tensorstore's errors (which orbax raises as ValueError) carry the OS error of a failed write."""
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 """OS errors that are the storage's fault (not a missing or unreadable input) when any write of a run fails."""
 TORN = ".orbax-checkpoint-tmp"
 """The suffix of a step orbax had not committed when it stopped; rewriting that step replaces it."""
+
+
+TENSORSTORE_UNREACHABLE = re.compile(r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|PERMISSION_DENIED|UNAUTHENTICATED|"
+                                     r"RESOURCE_EXHAUSTED)\b")
+"""tensorstore's status codes (in the text of the ValueError orbax raises) for a store that failed or refused."""
+
+
+def remote_failure(e: BaseException | None) -> str | None:
+    """What went wrong, in a few words, when `e` (or its cause) is a bucket's failure in a write (unreachable, refused,
+    out of quota, an upload session the store dropped) rather than a bug; None otherwise."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found = TENSORSTORE_UNREACHABLE.search(str(e))
+        if found or storage.failure_kind(e) is not None:
+            text = str(e).strip().splitlines()
+            return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def storage_errno(e: BaseException | None) -> int | None:
@@ -262,8 +322,9 @@ class Checkpointer:
     it every step, so a run on a full disk stops at the step after the failed write, not at the next save), `save`,
     `wait` or `close`, always as StorageError when the storage is to blame."""
 
-    def __init__(self, directory: str | Path, *, keep: int, keep_every: int = 0, async_save: bool = True):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: str | StorePath, *, keep: int, keep_every: int = 0, async_save: bool = True):
+        self.directory = checkpoint_dir(directory, "run.dir", write=True)
+        self.remote = is_remote(self.directory)
         self.keep = keep
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, keep_period=keep_every or None, enable_async_checkpointing=async_save,
@@ -281,8 +342,9 @@ class Checkpointer:
     def intact_steps(self) -> list[int]:
         """Committed steps, read from disk: after a failed save, orbax's own list has already dropped the steps it
         would have deleted had the save succeeded."""
-        return sorted(int(p.name) for p in self.directory.iterdir()
-                      if p.name.isdigit() and (p / "commit_success.txt").is_file())
+        if not self.directory.exists():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (p / COMMITTED).is_file())
 
     def free_bytes(self) -> int:
         """Free space for checkpoints: the file system's, plus what torn steps hold (their rewrite replaces them)."""
@@ -293,7 +355,11 @@ class Checkpointer:
         """Before the first save: StorageError when the free space cannot hold one more checkpoint (training on
         would end in a failed save), a warning when it cannot hold the checkpoint.keep + 1 that are on disk at once
         (orbax deletes the oldest only after the newest commits). A checkpoint's size is the newest one's on disk,
-        else `state_bytes` (an upper bound: orbax compresses trained float32 weights by ~10%)."""
+        else `state_bytes` (an upper bound: orbax compresses trained float32 weights by ~10%). A bucket has no free
+        space to ask about: nothing is checked there (a quota that stops a write is a StorageError then)."""
+        if self.remote:
+            self.checkpoint_bytes = state_bytes
+            return
         intact = self.intact_steps()
         size = directory_bytes(self.directory / str(intact[-1])) if intact else state_bytes
         self.checkpoint_bytes = size
@@ -313,19 +379,34 @@ class Checkpointer:
             fix = "free space there (or lower checkpoint.keep, or move run.dir to a larger disk)"
         else:
             fix = "check the storage"
-        intact = self.intact_steps()
-        last = (f"the last intact checkpoint is {self.directory / str(intact[-1])}: {fix} and relaunch to resume "
-                f"from it" if intact else f"no checkpoint of this run is intact yet: {fix} and relaunch")
+        try:
+            intact = self.intact_steps()
+        except Exception:  # noqa: BLE001 - the store may be what failed; the sentence must still be said
+            intact = None
+        if intact is None:
+            last = f"{fix} and relaunch to resume from the last intact checkpoint"
+        elif intact:
+            last = (f"the last intact checkpoint is {self.directory / str(intact[-1])}: {fix} and relaunch to resume "
+                    f"from it")
+        else:
+            last = f"no checkpoint of this run is intact yet: {fix} and relaunch"
         return StorageError(f"{what}; {last}.")
 
     def _translate(self, action, step: int | None) -> None:
         try:
             action()
+        except StorageError:
+            self._failed, self._writing = True, None
+            raise
         except Exception as e:
             code = storage_errno(e)
-            if code is None:
+            reason = remote_failure(e) if self.remote and code is None else None
+            if code is None and reason is None:
                 raise
             self._failed, self._writing = True, None
+            if reason is not None:
+                raise self.storage_error(f"Checkpoint {step} could not be written to {self.directory} ({reason})",
+                                         errno.EIO) from None
             need = (f"; a checkpoint needs about {format_bytes(self.checkpoint_bytes)}"
                     if self.checkpoint_bytes is not None else "")
             raise self.storage_error(
@@ -397,7 +478,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             stamp = int(time.time())
             for step in steps:
-                (self.directory / str(step)).rename(self.directory / f"{step}.unreadable-{stamp}")
+                storage.move_tree(str(self.directory / str(step)), str(self.directory / f"{step}.unreadable-{stamp}"))
         self.manager.reload()
 
     def close(self) -> None:
@@ -435,7 +516,7 @@ def check_model_config(saved: dict, current: ModelConfig, where: str, allow: tup
                           f"checkpoint's values or start a new run (a new run.name).")
 
 
-def init_from(path: str | Path, fresh, target, *, with_optimizer: bool):
+def init_from(path: str | StorePath, fresh, target, *, with_optimizer: bool):
     """`fresh` with the parts it takes from checkpoint `path` replaced: the model, and with `with_optimizer` the AdamW
     state (stage 2's start); step, data position and spike-guard history stay the fresh state's. `target` is as in
     Checkpointer.restore."""

@@ -48,6 +48,18 @@ def check_signs(cfg: Any, section: str, *, positive: tuple[str, ...] = (), non_n
             raise ConfigError(f"{section}.{name} must be non-negative, got {getattr(cfg, name)}.")
 
 
+def check_paths(entries: Sequence[str | None], what: str, *, write: bool = False) -> None:
+    """Every path among `entries` ('path' or 'name=path'; None skipped) is local or a URL olmo3eqx reaches (a
+    scheme nothing here handles, or with `write` a read-only one, is refused by olmo3eqx.storage in one sentence)."""
+    from olmo3eqx import storage
+
+    for entry in entries:
+        if entry is None:
+            continue
+        name, sep, value = entry.partition("=")
+        storage.check(value if sep and "://" not in name else entry, what, write=write)
+
+
 @dataclass(frozen=True)
 class RopeScalingConfig:
     """RoPE scaling of the full-attention layers; sliding layers always keep plain RoPE, as OLMo-core's
@@ -235,6 +247,9 @@ class DataConfig:
             raise ConfigError(f"data.vocab_size must be positive, got {self.vocab_size}.")
         if self.mix and self.paths:
             raise ConfigError("data.mix and data.paths both name training data; set one of them.")
+        check_paths(self.paths, "data.paths")
+        check_paths(self.heldout_paths, "data.heldout_paths")
+        check_paths([self.mix_root], "data.mix_root")
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"data.seed must be non-negative, got {self.seed}.")
         mt = self.max_target_seq_len
@@ -376,6 +391,8 @@ class EvalConfig:
     def __post_init__(self):
         check_choices(self, "eval")
         check_signs(self, "eval", non_negative=("every", "batches", "task_limit"))
+        check_paths(self.heldout, "eval.heldout")
+        check_paths([t for t in self.tasks if "/" in t], "eval.tasks")
 
 
 @dataclass(frozen=True)
@@ -437,9 +454,13 @@ class RunConfig:
     name: str = "olmo3eqx"
     """Run directory name: runs/<name>/ holds config, metrics, checkpoints; rerunning resumes it."""
     dir: str = "runs"
-    """Parent of run directories."""
+    """Parent of run directories: a local directory, or a bucket (gs://bucket/runs, s3://bucket/runs) that
+    config, metrics, checkpoints and the lease go to (README "Object stores")."""
     seed: int = 0
     """Seeds the initialisation (and the data order when data.seed is unset)."""
+
+    def __post_init__(self):
+        check_paths([self.dir], "run.dir", write=True)
 
 
 @dataclass(frozen=True)
@@ -466,6 +487,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1, got {self.steps}.")
+        check_paths([self.init_from], "init_from")
 
     @property
     def token_vocab_size(self) -> int:
@@ -478,16 +500,20 @@ class TrainConfig:
         return self.data.seed if self.data.seed is not None else self.run.seed
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.run.dir) / self.run.name
+    def run_dir(self):
+        """runs/<name>: a pathlib.Path, or an etils.epath.Path for a run.dir in a bucket (olmo3eqx.storage.path)."""
+        from olmo3eqx import storage
+
+        return storage.path(self.run.dir, "run.dir", write=True) / self.run.name
 
 
 def parse_named(entries: Sequence[str], what: str) -> list[tuple[str | None, str]]:
-    """'name=pattern' -> (name, pattern); a bare 'pattern' -> (None, pattern)."""
+    """'name=pattern' -> (name, pattern); a bare 'pattern' -> (None, pattern), a URL among them (whose query string
+    may hold '=')."""
     out = []
     for entry in entries:
         name, sep, pattern = entry.partition("=")
-        if not sep:
+        if not sep or "://" in name:
             out.append((None, entry))
             continue
         if not name or "/" in name or not pattern:
@@ -588,5 +614,8 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
 
 
 def dump_yaml(cfg: Any, path: str | Path) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    """The resolved config as YAML, to a local file or a bucket, with every URL's credentials and signature
+    redacted (olmo3eqx.storage.redact)."""
+    from olmo3eqx import storage
+
+    storage.write_text(str(path), yaml.safe_dump(storage.redact_tree(to_dict(cfg)), sort_keys=False))

@@ -9,9 +9,9 @@ lost. A relaunch would fail the same way."""
 NONFINITE = 3
 """train.py: a non-finite loss or gradient norm; no checkpoint of the bad state was written."""
 STORAGE = 74
-"""train.py: a write to the run directory failed (disk full, quota, read-only or failing storage; EX_IOERR), or the
-free space cannot hold the next checkpoint: one sentence names the directory, the bytes needed and free and the last
-intact checkpoint. `--until-done` relaunches after its backoff, not at once: a relaunch resumes from that checkpoint
+"""train.py: a write to the run directory failed (disk full, quota, read-only or failing storage; EX_IOERR), the
+free space cannot hold the next checkpoint, or a bucket or web server stayed unreachable past the retries
+(olmo3eqx.storage): one sentence names the directory or URL and the last intact checkpoint. `--until-done` relaunches after its backoff, not at once: a relaunch resumes from that checkpoint
 and stops again before training while the space is still missing."""
 PREEMPTED = 75
 """train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume."""

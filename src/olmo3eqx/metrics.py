@@ -8,6 +8,12 @@ float (NaN, +-inf) is written as `null`, which keeps every line valid JSON and r
 of the interrupted run then appear twice, the later line being the resumed run's). A process killed inside a write,
 or a disk that filled up mid-line, leaves a torn last line: `read_metrics` skips it and the next run's logger drops
 it before appending.
+
+A run directory in a bucket (gs://, s3://) holds the same files. An object cannot be appended to line by line, so
+there each file's new lines (and TensorBoard's events) are kept in memory and appended to the object at once
+(olmo3eqx.storage.append_bytes: GCS compose, S3 multipart copy) every REMOTE_FLUSH_SECONDS, before every checkpoint
+(so the lines of every step a checkpoint holds are in the bucket before it commits) and at the end. A kill loses
+only lines of steps after the last checkpoint, which the resumed run logs again, as it does locally.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from olmo3eqx import flops
+from olmo3eqx import flops, storage
 from olmo3eqx.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+REMOTE_FLUSH_SECONDS = 30.0
+"""How often the lines logged to a run directory in a bucket are appended to their objects (and before each
+checkpoint, and at the end)."""
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -148,12 +157,42 @@ def drop_torn_tail(path: Path) -> None:
         f.truncate(0)
 
 
-def open_append(path: Path):
-    """`path` opened to append lines, unbuffered (a line is on disk, or its write raised, when `append_line`
-    returns; closing never writes), its torn last line dropped first so the next line starts a line of its own."""
+class RemoteLog:
+    """A file in a bucket that lines are appended to: `write` keeps them, `flush` appends what was kept to the
+    object in one atomic append (a reader never sees part of a line)."""
+
+    def __init__(self, url: str):
+        self.name, self._pending = url, []
+
+    def write(self, data: bytes) -> int:
+        self._pending.append(bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        if self._pending:
+            storage.append_bytes(self.name, b"".join(self._pending))
+            self._pending = []
+
+    def close(self) -> None:
+        self.flush()
+
+
+def open_append(path: str | Path):
+    """`path` opened to append lines: a local file unbuffered (a line is on disk, or its write raised, when
+    `append_line` returns; closing never writes), its torn last line dropped first so the next line starts a line
+    of its own; a URL as a RemoteLog."""
+    if storage.is_url(path):
+        return RemoteLog(str(path))
+    path = Path(path)
     if path.is_file():
         drop_torn_tail(path)
     return open(path, "ab", buffering=0)
+
+
+def flush(file) -> None:
+    """Append what a RemoteLog keeps (a local file has nothing kept)."""
+    if isinstance(file, RemoteLog):
+        file.flush()
 
 
 def write_all(file, data: bytes) -> None:
@@ -177,13 +216,13 @@ class TensorBoardEvents:
     thread dies with a traceback and its bounded queue then blocks the training loop forever; here the write raises
     OSError in the loop (train.py reports it as one sentence), and closing writes nothing."""
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: str | Path):
         from tensorboardX.proto import event_pb2
 
         self.event = event_pb2.Event
-        logdir.mkdir(parents=True, exist_ok=True)
-        self._file = open(logdir / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}", "ab",
-                          buffering=0)
+        storage.makedirs(str(logdir))
+        name = storage.join(str(logdir), f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
+        self._file = RemoteLog(name) if storage.is_url(name) else open(name, "ab", buffering=0)
         self._write(self.event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def _write(self, event) -> None:
@@ -204,6 +243,9 @@ class TensorBoardEvents:
 
         self._write(self.event(wall_time=time.time(), step=0, summary=text_summary(tag, text)))
 
+    def flush(self) -> None:
+        flush(self._file)
+
     def close(self) -> None:
         self._file.close()
 
@@ -215,12 +257,17 @@ class IndexLog:
     def __init__(self, run_dir: str | Path, process_index: int, enabled: bool):
         self._file = None
         if enabled:
-            (Path(run_dir) / "indices").mkdir(parents=True, exist_ok=True)
-            self._file = open_append(Path(run_dir) / "indices" / f"process_{process_index}.jsonl")
+            storage.makedirs(storage.join(str(run_dir), "indices"))
+            self._file = open_append(storage.join(str(run_dir), "indices", f"process_{process_index}.jsonl"))
 
     def write(self, step: int, index: np.ndarray) -> None:
         if self._file is not None:
             append_line(self._file, json.dumps({"step": step, "index": index.tolist()}))
+
+    def flush(self) -> None:
+        """In a bucket: append the lines kept since the last flush (train.py calls it before each checkpoint)."""
+        if self._file is not None:
+            flush(self._file)
 
     def close(self) -> None:
         if self._file is not None:
@@ -236,12 +283,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl (a run directory or the file), `null` read back as NaN. A torn
     last line (the process died mid-write) is ignored; a malformed line elsewhere is an error. Lines
     come in file order: after a resume, steps past the last checkpoint can appear twice."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"No metrics file at {path}; pass a run directory or its {METRICS_FILE}.")
-    lines = path.read_text().splitlines()
+    path = storage.check(path, "metrics")
+    if not path.endswith(".jsonl") and (storage.is_url(path) or os.path.isdir(path)):
+        path = storage.join(path, METRICS_FILE)
+    if not storage.isfile(path):
+        raise FileNotFoundError(f"No metrics file at {storage.redact(path)}; pass a run directory or its "
+                                f"{METRICS_FILE}.")
+    lines = storage.read_text(path).splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -274,13 +322,14 @@ class MetricsLogger:
         self._tb = None
         self._wandb = None
         self._file = None
+        self._flushed = time.monotonic()
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open_append(run_dir / METRICS_FILE)
+        run_dir = str(run_dir)
+        storage.makedirs(run_dir)
+        self._file = open_append(storage.join(run_dir, METRICS_FILE))
         if cfg.tensorboard:
-            self._tb = TensorBoardEvents(run_dir / TB_DIR)
+            self._tb = TensorBoardEvents(storage.join(run_dir, TB_DIR))
             if config_dict is not None:
                 self._tb.text("config", "```\n" + json.dumps(config_dict, indent=2, default=str) + "\n```")
         if cfg.wandb:
@@ -290,7 +339,8 @@ class MetricsLogger:
                 warnings.warn("log.wandb is true but the `wandb` package is not installed; W&B logging is off "
                               "(pip install wandb, or pass --log.wandb false).", stacklevel=2)
             else:
-                self._wandb = wandb.init(project=cfg.wandb_project, name=run_dir.name, dir=str(run_dir),
+                local = storage.local_cache_dir() / "wandb" if storage.is_url(run_dir) else run_dir
+                self._wandb = wandb.init(project=cfg.wandb_project, name=storage.basename(run_dir), dir=str(local),
                                          config=dict(config_dict or {}))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -307,6 +357,16 @@ class MetricsLogger:
             self._wandb.log(values, step=int(step))
         if self._progress:
             self._update_bar(int(step), values)
+        if time.monotonic() - self._flushed >= REMOTE_FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the lines (and events) kept for a run directory in a bucket; nothing for a local one."""
+        self._flushed = time.monotonic()
+        if self._file is not None:
+            flush(self._file)
+        if self._tb is not None:
+            self._tb.flush()
 
     def _update_bar(self, step: int, values: dict[str, int | float]) -> None:
         if self._bar is None:

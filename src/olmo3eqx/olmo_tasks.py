@@ -26,6 +26,7 @@ import os
 import re
 from pathlib import Path
 
+from olmo3eqx import storage
 from olmo3eqx.config import ConfigError, parse_named
 from olmo3eqx.tasks import Request, Task, TaskError, Tokenizer, first_docs, is_task_file, jsonl_requests, jsonl_task_name
 
@@ -333,7 +334,7 @@ def task_sources(entries: tuple[str, ...] | list[str]) -> dict[str, str | None]:
 
     for name, value in parse_named(entries, "eval.tasks"):
         if name is not None or is_task_file(value):
-            path = os.path.expanduser(value)
+            path = storage.check(value, "eval.tasks")
             add(name or jsonl_task_name(path), path)
         elif value in TASK_SETS:
             for task in TASK_SETS[value]:

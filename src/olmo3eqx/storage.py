@@ -37,8 +37,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
+
+from etils import epath
 
 from olmo3eqx.config import ConfigError
 
@@ -58,6 +60,8 @@ HTTP_TIMEOUT_S = 60.0
 READ_THREADS = 16
 """Concurrent ranged reads per process (read_many): a batch's instances are fetched in parallel."""
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+StorePath = Path | epath.Path
+"""What `path` returns: a pathlib.Path for a local path, an etils.epath.Path for gs:// and s3://."""
 
 
 class StorageError(RuntimeError):
@@ -110,7 +114,7 @@ def check(path: str | os.PathLike, what: str, *, write: bool = False) -> str:
     return str(path)
 
 
-def path(p: str | os.PathLike, what: str, *, write: bool = False):
+def path(p: str | os.PathLike, what: str, *, write: bool = False) -> StorePath:
     """A directory or file to read or write as a path object: `pathlib.Path` for a local path, `etils.epath.Path`
     (the pathlib API over gcsfs/s3fs, what orbax takes) for gs:// and s3://. http(s) URLs name single files only
     (read them with read_bytes); they are refused here."""
@@ -122,8 +126,6 @@ def path(p: str | os.PathLike, what: str, *, write: bool = False):
         raise UnsupportedPath(f"{what} {redact(p)} is an {s}:// URL: a web server cannot be listed, so it cannot hold "
                               f"a checkpoint or run directory; give a local path or a gs:// or s3:// URL.")
     filesystem(s)  # the extra is installed, endpoints and credentials configured
-    from etils import epath
-
     return epath.Path(str(p))
 
 
@@ -170,9 +172,8 @@ def redact_tree(value):
 
 
 def local_cache_dir() -> Path:
-    """This host's directory for what must stay local when a run directory is in a bucket (OLMo-core's order
-    index: OLMo-core refuses a remote work dir too)."""
-    return Path(os.path.expanduser(os.environ.get("OLMO3EQX_CACHE", "~/.cache/olmo3eqx")))
+    """This host's directory for what a run directory in a bucket cannot hold (W&B's own files)."""
+    return Path(os.path.expanduser("~/.cache/olmo3eqx"))
 
 
 # --- the stores behind the URLs ---------------------------------------------------------------------
@@ -294,6 +295,13 @@ def _first_line(e: BaseException) -> str:
 
 
 T = TypeVar("T")
+_stopping = threading.Event()
+
+
+def stop_retrying() -> None:
+    """Make every retry loop of this process give up at once (StorageError): a process that is ending must not wait
+    for its readers' retries (grain's prefetch threads are joined at exit)."""
+    _stopping.set()
 
 
 def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
@@ -315,7 +323,7 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
                     f"{'' if what == 'reading' else ' and write'} the bucket.") from None
             if kind != "transient":
                 raise
-            if time.monotonic() + pause > deadline:
+            if time.monotonic() + pause > deadline or _stopping.is_set():
                 raise StorageError(f"{what.capitalize()} {redact(url)} failed for {retry_seconds():.0f} s "
                                    f"({_first_line(e)}); check that the store is reachable and relaunch to resume"
                                    ) from None
@@ -323,7 +331,7 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
                 print(f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
                       f"{retry_seconds():.0f} s.", file=sys.stderr, flush=True)
                 warned = True
-            time.sleep(pause * random.uniform(0.5, 1.5))
+            _stopping.wait(pause * random.uniform(0.5, 1.5))
             pause = min(2 * pause, RETRY_MAX_S)
 
 
@@ -528,8 +536,7 @@ def read_text(p: str) -> str:
 
 
 def _writable(p: str) -> str:
-    s = check(p, "Output", write=True)
-    return s
+    return check(p, "Output", write=True)
 
 
 def makedirs(p: str) -> None:
@@ -742,8 +749,3 @@ def describe(p: str) -> str:
         host = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         return f"S3{f' at {host}' if host else ''}{' (unsigned)' if s3_anonymous() else ''}"
     return "HTTP Range requests"
-
-
-def stores_in(values: Iterable[Any]) -> set[str]:
-    """The schemes of the URLs among `values` (strings; others ignored)."""
-    return {scheme(v) for v in values if isinstance(v, str) and is_url(v)}

@@ -30,16 +30,17 @@ line `{"fewshot": "<text put before every context>"}`); `gold` indexes `continua
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from jaxtyping import Float, Int
 
+from olmo3eqx import storage
 from olmo3eqx.data.prepare import encode_texts, tokenizer_info
 from olmo3eqx.data.source import DataError
 
@@ -93,7 +94,7 @@ class Tokenizer:
 
 def jsonl_task_name(path: str) -> str:
     """A JSONL task's default name: its file name without .jsonl(.gz)."""
-    return Path(path).name.removesuffix(".gz").removesuffix(".jsonl")
+    return storage.basename(path).removesuffix(".gz").removesuffix(".jsonl")
 
 
 def is_task_file(entry: str) -> bool:
@@ -101,16 +102,17 @@ def is_task_file(entry: str) -> bool:
     return entry.endswith((".jsonl", ".jsonl.gz")) or os.sep in entry or os.path.isfile(entry)
 
 
-def jsonl_requests(path: str | Path) -> list[Request]:
+def jsonl_requests(path: str | os.PathLike) -> list[Request]:
     """The requests of a task JSONL file (one document per example), few-shot prefix applied."""
-    path = Path(path)
-    if not path.is_file():
-        raise TaskError(f"Task file {path} does not exist; give JSONL files exported as described in "
+    path = storage.check(path, "eval.tasks")
+    if not storage.isfile(path):
+        raise TaskError(f"Task file {storage.redact(path)} does not exist; give JSONL files exported as described in "
                         f"olmo3eqx.tasks (context, continuations, gold, id), or OLMo task names.")
-    opener = gzip.open if path.name.endswith(".gz") else open
+    data = storage.read_bytes(path)
     requests: list[Request] = []
     prefix, docs = "", 0
-    with opener(path, "rt", encoding="utf-8") as f:
+    with io.TextIOWrapper(gzip.GzipFile(fileobj=io.BytesIO(data)) if path.endswith(".gz") else io.BytesIO(data),
+                          encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -64,12 +64,10 @@ def parse_args(argv: list[str] | None = None):
 
     try:
         base = load_yaml(opts.config)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    try:
         cfg = tyro.cli(TrainConfig, default=base, args=rest, description=USAGE + f"\nDefaults from {opts.config}.")
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ConfigError as e:  # bad input: one sentence, exit 2 (a URL nothing here reaches is refused here too)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(exits.BAD_INPUT) from None
     return cfg, opts
 
 
@@ -243,14 +241,15 @@ def train(cfg: TrainConfig, host_note: str | None = None) -> int:
     from olmo3eqx.runlock import lock_run
 
     warn = (lambda m: print(m, file=sys.stderr, flush=True)) if jax.process_index() == 0 else (lambda m: None)
-    with lock_run(cfg.run_dir, process_index=jax.process_index(), process_count=jax.process_count(), warn=warn):
-        return train_locked(cfg, host_note)
+    with lock_run(cfg.run_dir, process_index=jax.process_index(), process_count=jax.process_count(),
+                  warn=warn) as lock:
+        return train_locked(cfg, host_note, lock)
 
 
-def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
+def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     import jax
 
-    from olmo3eqx import distributed, flops, metrics
+    from olmo3eqx import distributed, flops, metrics, storage
     from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
     from olmo3eqx.config import dump_yaml, to_dict
     from olmo3eqx.profiling import StepProfiler
@@ -259,19 +258,24 @@ def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
     from olmo3eqx.tools import hostmem
 
     primary = jax.process_index() == 0
+    run_dir = str(cfg.run_dir)
+    config_dict = storage.redact_tree(to_dict(cfg))  # no credential or signed URL in any file or log
     if primary:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, cfg.run_dir / "config.yaml")
-    log = metrics.MetricsLogger(cfg.run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=to_dict(cfg))
+        storage.makedirs(run_dir)
+        dump_yaml(cfg, storage.join(run_dir, "config.yaml"))
+    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=config_dict)
     log.print(distributed.describe())
     log.print(hostmem.describe())
+    if storage.is_url(run_dir):
+        log.print(f"run directory: {storage.redact(run_dir)} ({storage.describe(run_dir)}); OLMo-core's order index, "
+                  f"if any, in {order_index_dir(cfg)} on each host")
     if host_note:
         log.print(host_note)
     layout = build_layout(cfg)
     log.print(layout.describe())
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+    checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                 keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
-    index_log = metrics.IndexLog(cfg.run_dir, jax.process_index(), cfg.log.indices)
+    index_log = metrics.IndexLog(run_dir, jax.process_index(), cfg.log.indices)
     try:
         start, state, data_state = starting_point(cfg, layout, checkpointer, log.print)
         if start >= cfg.steps:
@@ -286,13 +290,13 @@ def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
             start_step=start, tokens_per_step=cfg.data.global_batch * cfg.data.seq_len,
             flops_per_token=flops.train_flops_per_token(cfg.model, cfg.data.seq_len),
             num_devices=jax.device_count(), peak_flops=flops.peak_flops(jax.devices()[0])), first_step=start + 1)
-        config_dict = to_dict(cfg)
         if start == 0 and evaluator is not None:
             evaluator.run(0, state.model)  # the start of the held-out curves
         with Preemption(jax.process_count() > 1) as preemption, \
-                StepProfiler(cfg.log.profile_range, cfg.run_dir / "profile", log.print) as profile:
+                StepProfiler(cfg.log.profile_range, storage.join(run_dir, "profile"), log.print) as profile:
             for step in range(start + 1, cfg.steps + 1):
                 checkpointer.poll()  # a background write that failed stops the run now, not at the next save
+                lock.check()  # a lease in a bucket that another trainer took over stops this one
                 profile(step, state)
                 batch = next(data)
                 index_log.write(step, batch["index"])
@@ -306,6 +310,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
                 if eval_due:
                     evaluator.run(step, state.model, report.recent_loss())
                 if save_due:
+                    log.flush()  # in a bucket, the lines kept so far: every step the checkpoint holds is logged
+                    index_log.flush()
                     checkpointer.save(step, state, data.get_state(), config_dict)
                 if stop is not None:
                     checkpointer.wait()
@@ -324,15 +330,18 @@ def train_locked(cfg: TrainConfig, host_note: str | None) -> int:
             raise
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
-        index_log.close()
-        log.close()
-        checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
+        try:
+            index_log.close()
+            log.close()
+            checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
+        finally:
+            storage.stop_retrying()  # prefetch threads still reading a bucket must not hold the exit
 
 
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):
     """(steps done, train state, data-iterator state or None): resumed from the newest checkpoint that loads, else
     fresh (with init_from's weights, and moments with init_optimizer)."""
-    from olmo3eqx import checkpoint
+    from olmo3eqx import checkpoint, storage
 
     resumed = checkpointer.restore_latest(layout.state_target(), cfg.model, warn=note)
     if resumed is not None:
@@ -343,7 +352,8 @@ def starting_point(cfg: TrainConfig, layout, checkpointer, note):
         if cfg.init_from:
             state = checkpoint.init_from(cfg.init_from, state, layout.state_target(),
                                          with_optimizer=cfg.init_optimizer)
-            note(f"initialised from {cfg.init_from} ({'weights + moments' if cfg.init_optimizer else 'weights'})")
+            parts = "weights + moments" if cfg.init_optimizer else "weights"
+            note(f"initialised from {storage.redact(cfg.init_from)} ({parts})")
     return start, state, data_state
 
 
@@ -356,12 +366,23 @@ def train_data(cfg: TrainConfig, start: int, data_state: dict | None):
     data = build_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.data_seed,
         shard_index=jax.process_index(), shard_count=jax.process_count(), vocab_size=cfg.token_vocab_size,
-        state=data_state, index_dir=cfg.run_dir / DATA_ORDER_DIR, eos_id=cfg.model.eos_token_id,
+        state=data_state, index_dir=order_index_dir(cfg), eos_id=cfg.model.eos_token_id,
         pad_id=cfg.model.pad_token_id)
     if data.batches_consumed != start:
         raise DataError(f"The data state of checkpoint {start} has consumed {data.batches_consumed} batches instead "
                         f"of {start}; the checkpoint is inconsistent.")
     return data
+
+
+def order_index_dir(cfg: TrainConfig) -> Path:
+    """Where OLMo-core's order keeps its per-epoch index: the run directory's data_order/, or with the run directory
+    in a bucket this host's data.cache_dir/data_order/ (a memory-mapped file must be local; the file names say
+    which data, seed and epoch they index, so runs can share them, as OLMo-core's work_dir is shared)."""
+    from olmo3eqx import storage
+
+    if storage.is_url(cfg.run.dir):
+        return Path(os.path.expanduser(cfg.data.cache_dir)) / DATA_ORDER_DIR
+    return cfg.run_dir / DATA_ORDER_DIR
 
 
 def loop_evaluator(cfg: TrainConfig, layout, log):

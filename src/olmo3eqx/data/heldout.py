@@ -10,24 +10,22 @@ prediction of tokens[b, t + 1]), so a document of n tokens scores its n - 1 pred
 
 from __future__ import annotations
 
-import os
-from glob import glob
-from pathlib import Path
-
 import numpy as np
 from jaxtyping import Float, Int
 
+from olmo3eqx import storage
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, parse_named
 from olmo3eqx.data.mixes import resolve_mix
+from olmo3eqx.data.packed import eos_ends
 from olmo3eqx.data.pipeline import heldout_files
-from olmo3eqx.data.source import DataError, TokenSource, check_ids, expand_paths, open_tokens
+from olmo3eqx.data.source import DataError, TokenSource, check_ids, chunks, expand_paths, open_tokens, read_slices
 
 DEFAULT_SET = "heldout"
 """Name of the held-out set used when eval.heldout names none (data.heldout_paths or the default corpus's)."""
 
 
 def _npy_under(directory: str) -> list[str]:
-    return sorted(p for p in glob(os.path.join(directory, "**", "*.npy"), recursive=True) if os.path.isfile(p))
+    return storage.glob(storage.join(directory, "**", "*.npy"))
 
 
 def heldout_sets(eval_cfg: EvalConfig, data_cfg: DataConfig) -> dict[str, list[str]]:
@@ -48,18 +46,18 @@ def heldout_sets(eval_cfg: EvalConfig, data_cfg: DataConfig) -> dict[str, list[s
         if name is not None:
             sets.setdefault(name, []).extend(expand_paths([pattern], f"eval.heldout ({name})"))
             continue
-        path = os.path.expanduser(pattern)
-        if not os.path.isdir(path):
-            raise ConfigError(f"eval.heldout entry {pattern!r} is neither 'name=glob' nor a directory; "
-                              f"write it as name={pattern}.")
-        if glob(os.path.join(path, "*.npy")):
-            sets.setdefault(Path(path).name, []).extend(expand_paths([path], "eval.heldout"))
+        path = storage.check(pattern, "eval.heldout")
+        if not storage.isdir(path):
+            raise ConfigError(f"eval.heldout entry {storage.redact(pattern)!r} is neither 'name=glob' nor a "
+                              f"directory (an http(s) URL cannot be listed); write it as name={pattern}.")
+        if storage.glob(storage.join(path, "*.npy")):
+            sets.setdefault(storage.basename(path), []).extend(expand_paths([path], "eval.heldout"))
             continue
         found = False
-        for sub in sorted(p for p in Path(path).iterdir() if p.is_dir()):
-            files = _npy_under(str(sub))
+        for sub in (p for p in storage.listdir(path) if storage.isdir(p)):
+            files = _npy_under(sub)
             if files:
-                sets.setdefault(sub.name, []).extend(files)
+                sets.setdefault(storage.basename(sub), []).extend(files)
                 found = True
         if not found:
             raise ConfigError(f"Directory {path} in eval.heldout holds no .npy token files (directly or in "
@@ -103,8 +101,9 @@ class DocumentInstances:
         self.arrays, file_idx, starts, lengths = [], [], [], []
         for path in expand_paths(files, what):
             tokens = open_tokens(path, token_dtype=token_dtype, vocab_size=vocab_size, what=what)
-            check_ids(path, tokens, vocab_size)  # every id: the file is read whole for its EOS positions anyway
-            ends = np.flatnonzero(tokens == eos_id) + 1
+            for _, part in chunks(tokens):  # every id: the file is read whole for its EOS positions anyway
+                check_ids(path, part, vocab_size)
+            ends = eos_ends(tokens, eos_id)
             doc_starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
             file_idx.append(np.full(ends.size, len(self.arrays), np.int64))
             starts.append(doc_starts)
@@ -120,11 +119,11 @@ class DocumentInstances:
         """Tokens and label weights of instances `ids` (-1: padding, weight 0)."""
         tokens = np.full((ids.size, self.seq_len), self.pad_id, np.int32)
         weights = np.zeros((ids.size, self.seq_len), np.float32)
-        for row, i in enumerate(ids.tolist()):
-            if i < 0:
-                continue
-            start, n = int(self.starts[i]), int(self.lengths[i])
-            tokens[row, :n] = self.arrays[int(self.file_idx[i])][start:start + n]
+        rows = [row for row, i in enumerate(ids.tolist()) if i >= 0]
+        spans = [(int(self.starts[ids[r]]), int(self.lengths[ids[r]])) for r in rows]
+        docs = read_slices([(self.arrays[int(self.file_idx[ids[r]])], a, a + n) for r, (a, n) in zip(rows, spans)])
+        for row, (_, n), doc in zip(rows, spans, docs):
+            tokens[row, :n] = doc
             weights[row, :n - 1] = 1.0
         return tokens, weights
 

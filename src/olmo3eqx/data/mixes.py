@@ -4,7 +4,9 @@ A mix is an OLMo-core mix name, whose list ships with this package (data/mix_lis
 ai2-olmo-core by `python -m olmo3eqx.tools.regenerate_mixes`, so no torch is needed to read them), or the path of
 a file in the same format. Each non-empty line not starting with '#' is `label,path`; the path must contain
 `{TOKENIZER}`, which becomes the tokenizer id OLMo-core uses for that mix with the dolma2 tokenizer (OLMo 3's), and
-the file is `<root>/<path>`. The order of the lines fixes the instance numbering; a file keeps its line's label.
+the file is `<root>/<path>`. The order of the lines fixes the instance numbering; a file keeps its line's label. The
+root is a local directory or a URL: AI2's own (https://olmo-data.org, OLMo-core's default data root), a bucket
+(gs://, s3://); remote files are read by range, never copied.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from olmo3eqx.data.source import DataError
+from olmo3eqx import storage
+from olmo3eqx.data.source import DataError, parallel
 
 TOKENIZER_FIELD = "{TOKENIZER}"
 DEFAULT_TOKENIZER_ID = "allenai/dolma2-tokenizer"
@@ -74,10 +77,10 @@ def mix_files(mix: str, root: str | None, what: str = "data.mix") -> list[MixFil
     """The files of `mix` under `root`, in mix order, as OLMo-core's DataMix.build names them."""
     name, list_file = mix_list(mix, what)
     if not root:
-        raise DataError(f"{what} {mix} needs data.mix_root, the directory holding its files (a local copy or a "
-                        f"mounted bucket of AI2's data); pass --data.mix-root DIR.")
-    root = os.path.expanduser(root)
-    if not os.path.isdir(root):
+        raise DataError(f"{what} {mix} needs data.mix_root, the directory holding its files: AI2's own "
+                        f"(https://olmo-data.org), a bucket (gs://, s3://) or a local copy; pass --data.mix-root.")
+    root = storage.check(root, "data.mix_root")
+    if not storage.is_url(root) and not os.path.isdir(root):
         raise DataError(f"data.mix_root {root} is not a directory; point it at the directory that holds {mix}'s "
                         f"files (the one their paths in {list_file} are relative to).")
     token_id = tokenizer_id(name)
@@ -104,10 +107,12 @@ def resolve_mix(mix: str, root: str | None, what: str = "data.mix") -> list[MixF
     """mix_files, each checked to exist: a missing one is named with its mix line and the path it resolved to,
     before any work."""
     files = mix_files(mix, root, what)
-    missing = [f for f in files if not os.path.isfile(f.path)]
+    found = parallel(lambda f: storage.isfile(f.path), files, remote=storage.is_url(root))  # HEADs at once
+    missing = [f for f, ok in zip(files, found) if not ok]
     if missing:
         first = missing[0]
         more = f" ({len(missing) - 1} more of its {len(files)} files are missing too)" if len(missing) > 1 else ""
-        raise DataError(f"Line {first.line_number} of {what} {mix} ({first.line!r}) resolves to {first.path}, which "
-                        f"does not exist{more}; copy the file there or fix data.mix_root.")
+        raise DataError(f"Line {first.line_number} of {what} {mix} ({first.line!r}) resolves to "
+                        f"{storage.redact(first.path)}, which does not exist{more}; copy the file there or fix "
+                        f"data.mix_root.")
     return files

@@ -15,20 +15,28 @@ padding), and `doc_lens`, the lengths OLMo-core's get_document_lengths finds by 
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 from jaxtyping import Bool, Int, Int32, Int64
 
-from olmo3eqx.data.source import DataError, check_ids, expand_paths, open_tokens
+from olmo3eqx import storage
+from olmo3eqx.data.source import (DataError, Tokens, check_ids, chunks, expand_paths, open_tokens, parallel,
+                                  read_slices, stem)
 
 
-def document_spans(tokens: np.ndarray, eos_id: int, seq_len: int) -> Int64[np.ndarray, "n 2"]:
+def eos_ends(tokens: Tokens, eos_id: int) -> Int64[np.ndarray, " n"]:
+    """The end (one past the EOS) of each EOS-terminated document of one file; a remote file is scanned in ranged
+    reads (olmo3eqx.data.source.chunks), never held whole."""
+    parts = [np.flatnonzero(np.asarray(part) == eos_id).astype(np.int64) + (offset + 1)
+             for offset, part in chunks(tokens)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def document_spans(tokens: Tokens, eos_id: int, seq_len: int) -> Int64[np.ndarray, "n 2"]:
     """[start, end) of each EOS-terminated document of one file, cut to its first seq_len tokens."""
-    ends = np.flatnonzero(np.asarray(tokens) == eos_id).astype(np.int64) + 1
+    ends = eos_ends(tokens, eos_id)
     starts = np.concatenate([[0], ends])[:-1].astype(np.int64)
     return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
 
@@ -103,13 +111,13 @@ class _Group:
         self.spans = spans_all[order]
 
     def tokens(self, instance: int) -> np.ndarray:
-        parts = []
+        slices = []
         for doc in self.bins[instance]:
             start, end = self.spans[doc].tolist()
             f = int(np.searchsorted(self.file_starts, start, side="right")) - 1
             base = int(self.file_starts[f])
-            parts.append(self.arrays[f][start - base:end - base])
-        return np.concatenate(parts)
+            slices.append((self.arrays[f], start - base, end - base))
+        return np.concatenate(read_slices(slices))
 
 
 class PackedSource:
@@ -125,17 +133,19 @@ class PackedSource:
             raise DataError(f"{what} names no token files; give .npy files, directories or globs.")
         self.seq_len, self.eos_id, self.pad_id, self.vocab_size = seq_len, eos_id, pad_id, vocab_size
         self.paths = files
-        self.labels = list(labels) if labels is not None else [Path(p).stem for p in files]
-        self.fingerprint = [[os.path.basename(p), os.path.getsize(p)] for p in files]
-        arrays = [open_tokens(p, token_dtype=token_dtype, vocab_size=vocab_size, what=what) for p in files]
+        self.labels = list(labels) if labels is not None else [stem(p) for p in files]
+        arrays = parallel(lambda p: open_tokens(p, token_dtype=token_dtype, vocab_size=vocab_size, what=what), files,
+                          remote=any(map(storage.is_url, files)))
+        self.fingerprint = [[storage.basename(p), a.size * a.dtype.itemsize] for p, a in zip(files, arrays)]
         self._groups = [_Group(arrays[i:i + group_size], eos_id, seq_len) for i in range(0, len(arrays), group_size)]
         self._group_paths = [files[i:i + group_size] for i in range(0, len(files), group_size)]
         counts = [len(g.bins) for g in self._groups]
         self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.num_instances = int(self._offsets[-1])
         if not self.num_instances:
-            raise DataError(f"No EOS-terminated document (EOS id {eos_id}) in {', '.join(files)}; check the files "
-                            f"and model.eos_token_id.")
+            names = ", ".join(map(storage.redact, files))
+            raise DataError(f"No EOS-terminated document (EOS id {eos_id}) in {names}; check the files and "
+                            f"model.eos_token_id.")
 
     def __len__(self) -> int:
         return self.num_instances

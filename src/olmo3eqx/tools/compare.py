@@ -22,15 +22,17 @@ metric, `<out stem>_<metric>.png` with a panel per task.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from olmo3eqx import exits
+from olmo3eqx import exits, storage
 from olmo3eqx.metrics import read_metrics
 
 TRAIN = "train/loss"
@@ -43,11 +45,14 @@ its downstream bpb by less than this fraction of the train loss's relative gain)
 PANELS_PER_ROW = 5
 
 
-def eval_files(run_dir: Path) -> list[dict]:
-    """The records of <run>/eval/step_<N>.json (python -m olmo3eqx.eval), as {"step": N, metric: value}."""
+def eval_files(run_dir: str) -> list[dict]:
+    """The records of <run>/eval/step_<N>.json (python -m olmo3eqx.eval), as {"step": N, metric: value}; none when
+    `run_dir` names a metrics file."""
     records = []
-    for path in sorted((run_dir / "eval").glob("step_*.json")) if run_dir.is_dir() else []:
-        d = json.loads(path.read_text())
+    if run_dir.endswith(".jsonl"):
+        return records
+    for path in storage.glob(storage.join(run_dir, "eval", "step_*.json")):
+        d = json.loads(storage.read_text(path))
         records.append({"step": int(d["step"]), **d.get("metrics", {})})
     return records
 
@@ -62,7 +67,7 @@ def series(run_dir: str | Path, x: str = "step") -> dict[str, tuple[np.ndarray, 
             if k in ("step", "time") or not isinstance(v, (int, float)):
                 continue
             by_step.setdefault(k, {})[int(rec["step"])] = float(v)
-    for rec in eval_files(Path(run_dir)):
+    for rec in eval_files(storage.check(run_dir, "run")):
         for k, v in rec.items():
             if k != "step" and isinstance(v, (int, float)):
                 by_step.setdefault(k, {}).setdefault(rec["step"], float(v))
@@ -211,7 +216,7 @@ def format_table(c: Comparison) -> str:
 
 
 def plot_panels(a: dict, b: dict, keys: list[str], titles: list[str], c: Comparison, names: tuple[str, str],
-                out: Path) -> Path:
+                out: str) -> str:
     """Both runs' curves of each key, one panel per key, to a PNG."""
     import matplotlib
 
@@ -234,16 +239,19 @@ def plot_panels(a: dict, b: dict, keys: list[str], titles: list[str], c: Compari
     if c.verdict:
         fig.suptitle(f"memorisation signature in {names['AB'.index(c.verdict)]}", color="red")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
     plt.close(fig)
+    storage.makedirs(storage.parent(out) or ".")
+    storage.write_bytes(out, png.getvalue())
     return out
 
 
-def plot(a: dict, b: dict, c: Comparison, names: tuple[str, str], out: str | Path) -> list[Path]:
+def plot(a: dict, b: dict, c: Comparison, names: tuple[str, str], out: str | Path) -> list[str]:
     """`out`: train loss, every held-out loss and every task's primary metric; then one PNG per downstream metric
     (`<stem>_<metric>.png`), a panel per task."""
-    out = Path(out)
+    out = storage.check(out, "--out", write=True)
+    stem, suffix = os.path.splitext(out)
     primary = [k for k in c.tasks if metric_of(k) == "primary"]
     keys = [TRAIN, *c.heldout, *primary]
     titles = [TRAIN, *c.heldout, *(f"{task_of(k)} (primary)" for k in primary)]
@@ -251,7 +259,7 @@ def plot(a: dict, b: dict, c: Comparison, names: tuple[str, str], out: str | Pat
     for metric in dict.fromkeys(metric_of(k) for k in c.tasks if metric_of(k) != "primary"):
         keys = [k for k in c.tasks if metric_of(k) == metric]
         written.append(plot_panels(a, b, keys, [f"{task_of(k)} {metric}" for k in keys], c, names,
-                                   out.with_name(f"{out.stem}_{metric}{out.suffix}")))
+                                   f"{stem}_{metric}{suffix}"))
     return written
 
 
@@ -268,14 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a, b = series(args.run_a, args.x), series(args.run_b, args.x)
         c = compare(a, b, x=args.x, windows=args.windows)
+        names = (f"A: {storage.basename(args.run_a)}", f"B: {storage.basename(args.run_b)}")
+        print(f"A = {storage.redact(args.run_a)}, B = {storage.redact(args.run_b)}")
+        print(format_table(c))
+        for path in plot(a, b, c, names, args.out):
+            print(f"wrote {storage.redact(path)}")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
-    names = (f"A: {Path(args.run_a).name}", f"B: {Path(args.run_b).name}")
-    print(f"A = {args.run_a}, B = {args.run_b}")
-    print(format_table(c))
-    for path in plot(a, b, c, names, args.out):
-        print(f"wrote {path}")
+    except storage.StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.STORAGE
     return 0
 
 

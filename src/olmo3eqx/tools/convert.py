@@ -7,7 +7,10 @@ sentence on stderr and exit code 2; a parity check that fails its threshold exit
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -36,9 +39,14 @@ def format_parity(stats: dict, dtype: str, batch: int, seq_len: int) -> str:
             f"  max |logit diff|: {stats['max_abs_diff']:.3e}  (max |logit| {stats['max_abs_logit']:.3f})")
 
 
-def _refuse_existing(path: Path, what: str) -> None:
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{what} {path} already exists and is not empty; choose a new path or delete it.")
+def _refuse_existing(path: str | Path, what: str) -> None:
+    """Stop when `path` (local or a bucket prefix) holds anything: a conversion never writes over a checkpoint."""
+    from olmo3eqx import storage
+
+    p = storage.path(path, what, write=True)
+    if p.exists() and any(p.iterdir()):
+        raise FileExistsError(f"{what} {storage.redact(path)} already exists and is not empty; choose a new path or "
+                              f"delete it.")
 
 
 def conversion_shardings(cfg):
@@ -62,7 +70,7 @@ def released_between(leaves):
         hostmem.release_freed_memory()
 
 
-def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
+def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl: float = 1e-4, force: bool = False,
                 skip_parity: bool = False, seq_len: int = 128, batch: int = 2, seed: int = 0,
                 eos_token_id: int | None = None, pad_token_id: int | None = None) -> None:
     """Convert an HF Olmo3 checkpoint directory to an orbax checkpoint (step 0), after a float32 parity check.
@@ -77,7 +85,7 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
 
     Args:
         hf_dir: HF checkpoint directory (config.json + safetensors).
-        out: Orbax checkpoint directory to create.
+        out: Orbax checkpoint directory to create: a local path, or gs://... or s3://... (written straight there).
         dtype: Stored parameter dtype (the parity check always runs in float32, before the cast).
         max_kl: Refuse to write if the float32 mean KL(HF || ours) per token exceeds this.
         force: Write even if the parity check fails.
@@ -115,15 +123,16 @@ def hf_to_orbax(hf_dir: Path, out: Path, dtype: Dtype = "float32", max_kl: float
     print(f"wrote {out} (step 0, {dtype})")
 
 
-def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
+def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
     """Convert an orbax checkpoint (newest step, or a step directory) to an HF Olmo3 checkpoint directory.
 
     Each model leaf is restored on its own, to host memory, and written out piece by piece: host memory stays near
-    the largest leaf.
+    the largest leaf. An `out` in a bucket is written to a local temporary directory first (safetensors files are
+    written in place), then uploaded file by file, the index and config last.
 
     Args:
-        ckpt: Orbax checkpoint directory (manager root, run directory or one step directory).
-        out: HF directory to create (config.json, safetensors shards, index).
+        ckpt: Orbax checkpoint directory (manager root, run directory or one step directory; local, gs:// or s3://).
+        out: HF directory to create (config.json, safetensors shards, index): local, gs:// or s3://.
         dtype: Stored dtype; default the checkpoint's param_dtype.
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
     """
@@ -138,18 +147,35 @@ def orbax_to_hf(ckpt: Path, out: Path, dtype: Dtype | None = None, max_shard_gb:
         hostmem.release_freed_memory()  # what the previous leaf's restore left in malloc's arenas
         return checkpoint.restore_model_leaf(root, step, path, hf.leaf_of(abstract, path))
 
-    files = hf.write_hf(out, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
+    with staged(out) as local:
+        files = hf.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
           f"{dtype or cfg.param_dtype})")
 
 
-def parity(hf_dir: Path, ckpt: Path, seq_len: int = 128, batch: int = 2, dtype: Dtype = "float32", seed: int = 0,
+@contextlib.contextmanager
+def staged(out: str | Path):
+    """A local directory to write `out` into: `out` itself when local; for a bucket a temporary directory, uploaded
+    to `out` when the block ends without an error (config.json and the safetensors index last, so a reader that finds
+    them finds every shard) and removed."""
+    from olmo3eqx import storage
+
+    if not storage.is_url(out):
+        yield Path(out)
+        return
+    with tempfile.TemporaryDirectory(prefix="olmo3eqx-hf-") as tmp:
+        yield Path(tmp)
+        last = [name for name in os.listdir(tmp) if name == "config.json" or name.endswith(".index.json")]
+        storage.upload_tree(tmp, out, last=last)
+
+
+def parity(hf_dir: Path, ckpt: str | Path, seq_len: int = 128, batch: int = 2, dtype: Dtype = "float32", seed: int = 0,
            max_kl: float | None = None) -> None:
     """Print KL(HF || ours) per token (mean, max), top-1 agreement and max |logit diff| of a checkpoint.
 
     Args:
         hf_dir: HF checkpoint directory: the reference, run with `transformers`' own Olmo3 forward.
-        ckpt: Orbax checkpoint directory to check.
+        ckpt: Orbax checkpoint directory to check (local, gs:// or s3://).
         seq_len: Tokens per sequence.
         batch: Sequences (random tokens from `seed`).
         dtype: Both sides run in this dtype.
@@ -223,12 +249,16 @@ def main(args: list[str] | None = None) -> int:
     import tyro
 
     from olmo3eqx.hf import ConversionError
+    from olmo3eqx.storage import StorageError
 
     try:
         tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, description=__doc__.splitlines()[0])
     except (ConversionError, ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.STORAGE
     except ParityFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.PARITY_FAILED

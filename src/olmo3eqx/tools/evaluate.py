@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from olmo3eqx import exits
+from olmo3eqx.storage import StorePath
 
 DEFAULT_SEQ_LEN = 2048
 """Model length for checkpoints that store no data.seq_len (capped by max_position_embeddings)."""
@@ -36,7 +37,7 @@ class Args:
     """Evaluate a checkpoint (or every checkpoint of a run) on held-out token sets and downstream tasks."""
 
     ckpt: str = ""
-    """Run directory, checkpoints/ directory, step directory, or HF Olmo3 directory."""
+    """Run directory, checkpoints/ directory, step directory (local, gs:// or s3://), or HF Olmo3 directory."""
     heldout: tuple[str, ...] | None = None
     """Held-out sets, 'name=glob' or an OLMo-layout directory (see eval.heldout); unset: the run's own."""
     tasks: tuple[str, ...] | None = None
@@ -55,7 +56,7 @@ class Args:
     limit: int = 0
     """Documents per task; 0: all."""
     out: str | None = None
-    """Where to write the JSON results (one checkpoint only)."""
+    """Where to write the JSON results (one checkpoint only; local, gs:// or s3://)."""
     all_checkpoints: bool = False
     """Score every kept checkpoint of the run (those already scored with the same spec are skipped)."""
     list_tasks: bool = False
@@ -64,14 +65,14 @@ class Args:
 
 def load_any(ckpt: str):
     """(model, ModelConfig, stored run config dict or None, HF tokenizer.json or None, step, run dir or None)."""
-    from olmo3eqx import checkpoint, hf
+    from olmo3eqx import checkpoint, hf, storage
 
-    path = Path(ckpt)
-    if (path / hf.CONFIG_FILE).is_file():
+    if not storage.is_url(ckpt) and (Path(ckpt) / hf.CONFIG_FILE).is_file():
+        path = Path(ckpt)
         model, cfg = hf.load_hf(path)
         tok = path / "tokenizer.json"
         return model, cfg, None, str(tok) if tok.is_file() else None, 0, None
-    root, step = checkpoint.resolve_step_dir(path)
+    root, step = checkpoint.resolve_step_dir(ckpt)
     stored = checkpoint.read_config(root, step)
     model = checkpoint.restore_model(root, step, checkpoint.model_config_from_dict(stored, str(root / str(step))))
     run_dir = root.parent if root.name == "checkpoints" else None
@@ -96,7 +97,7 @@ class Setup:
 
     model: object
     step: int
-    run_dir: Path | None
+    run_dir: StorePath | None
     evaluator: object
     shardings: object
     spec: dict
@@ -152,11 +153,12 @@ def score(s: Setup, model, step: int, ckpt: str) -> dict:
             "primary": s.evaluator.primary, "spec": s.spec}
 
 
-def write(result: dict, out: Path, evaluator) -> None:
+def write(result: dict, out: str, evaluator) -> None:
+    from olmo3eqx import storage
     from olmo3eqx.evaluator import table
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    storage.makedirs(storage.parent(out) or ".")
+    storage.write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"{result['ckpt']} step {result['step']} (seq_len {result['spec']['seq_len']}, "
           f"{result['seconds']:.1f} s)")
     print(table(result["metrics"], evaluator.primary))
@@ -164,20 +166,25 @@ def write(result: dict, out: Path, evaluator) -> None:
 
 
 def evaluate_one(args: Args) -> None:
+    from olmo3eqx import storage
+
     s = setup(args)
-    result = score(s, s.model, s.step, str(Path(args.ckpt).absolute()))
+    ckpt = args.ckpt if storage.is_url(args.ckpt) else str(Path(args.ckpt).absolute())
+    result = score(s, s.model, s.step, storage.redact(ckpt))
     if args.out:
-        out = Path(args.out)
+        out = storage.check(args.out, "--out", write=True)
     elif s.run_dir is not None:
-        out = s.run_dir / "eval" / f"step_{s.step}.json"
+        out = str(s.run_dir / "eval" / f"step_{s.step}.json")
     else:
-        out = Path(f"eval_step_{s.step}.json")
+        out = f"eval_step_{s.step}.json"
     write(result, out, s.evaluator)
 
 
-def already_scored(path: Path, spec: dict) -> bool:
+def already_scored(path: str, spec: dict) -> bool:
+    from olmo3eqx import storage
+
     try:
-        return json.loads(path.read_text()).get("spec") == spec
+        return json.loads(storage.read_text(path)).get("spec") == spec
     except (OSError, ValueError):
         return False
 
@@ -194,7 +201,7 @@ def evaluate_all(args: Args) -> None:
     run_dir = root.parent if root.name == "checkpoints" else root
     s = setup(dataclasses.replace(args, ckpt=str(root)))  # the newest step: its config says what to evaluate
     for step in steps:
-        out = run_dir / "eval" / f"step_{step}.json"
+        out = str(run_dir / "eval" / f"step_{step}.json")
         if already_scored(out, s.spec):
             print(f"step {step}: already scored ({out})")
             continue
@@ -218,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from olmo3eqx.config import ConfigError
     from olmo3eqx.data import DataError
     from olmo3eqx.hf import ConversionError
+    from olmo3eqx.storage import StorageError
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     try:
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.STORAGE
     return 0
 
 
