@@ -189,3 +189,33 @@ def test_a_store_back_within_the_retries_loses_nothing(stores, prefix):
         threading.Timer(2.0, stores.relays["s3"].up).start()
         assert storage.read_bytes(url, 2, 6) == b"2345"
         stores.relays["s3"].down()  # the context manager brings it up again
+
+
+def test_failures_are_classified_as_each_library_reports_them():
+    """What gcsfs, s3fs/botocore, google-cloud-storage and requests raise for a denied, missing or failing request
+    (the emulators check no credentials, so the denied cases are the libraries' own exception types)."""
+    import botocore.exceptions
+    import requests
+    from google.api_core import exceptions as gexc
+
+    denied = [OSError("Forbidden: test/o\nAccess denied."), PermissionError("Access Denied"),
+              botocore.exceptions.NoCredentialsError(), gexc.Forbidden("no"), storage.HttpStatus(403, "https://h/x")]
+    missing = [FileNotFoundError("test/x"), gexc.NotFound("no"), storage.HttpStatus(404, "https://h/x")]
+    transient = [storage.HttpStatus(503, "https://h/x"), storage.HttpStatus(429, "https://h/x"),
+                 gexc.ServiceUnavailable("later"), requests.exceptions.ConnectionError("refused"),
+                 ConnectionRefusedError(111, "refused"), TimeoutError("slow"),
+                 botocore.exceptions.EndpointConnectionError(endpoint_url="http://h"), OSError("server error")]
+    bugs = [ValueError("a bug"), KeyError("x"), FileExistsError("x")]
+    assert [storage.failure_kind(e) for e in denied] == ["denied"] * len(denied)
+    assert [storage.failure_kind(e) for e in missing] == ["missing"] * len(missing)
+    assert [storage.failure_kind(e) for e in transient] == ["transient"] * len(transient)
+    assert [storage.failure_kind(e) for e in bugs] == [None] * len(bugs)
+
+
+def test_no_credential_or_signature_reaches_config_yaml(tmp_path):
+    from olmo3eqx.config import DataConfig, TrainConfig, dump_yaml
+
+    signed = "https://user:secret@data.example/x.npy?X-Amz-Signature=deadbeef"
+    dump_yaml(TrainConfig(data=DataConfig(paths=(signed,))), tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "secret" not in text and "deadbeef" not in text and "https://***@data.example/x.npy?***" in text
