@@ -5,8 +5,9 @@ and restore times with the peak host memory, each store in a process of its own,
 
     python bench/bench_stores.py [--data-gib 0.5] [--ckpt-gib 2] [--seconds 10] [--threads 2,8]
 
-The servers are the test suite's (tests/stores.py) and run on the same 2 cores as the client, so a row measures the
-client's cost plus an emulator's, not a cloud store's latency or bandwidth. Writes bench/results/stores.json.
+The servers are the test suite's (tests/stores.py), each in a process of its own, and run on the same 2 cores as the
+client, so a row measures the client's cost plus an emulator's (moto's S3 server is pure Python), not a cloud store's
+latency or bandwidth. Writes bench/results/stores.json.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ STORES = ("local", "gs", "s3", "http")
 
 
 def write_tokens(out: Path, gib: float) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     per_file = 2**25  # 128 MiB of uint32: 4096 instances
     paths = []
@@ -52,11 +54,34 @@ def place(stores, local: list[Path], store: str) -> list[str]:
         return [str(p) for p in local]
     if store == "http":
         prefix = f"bench-{uuid.uuid4().hex[:6]}"
-        return [stores.publish(p, prefix, p.name) for p in local]
+        urls = [stores.publish(p, prefix, p.name) for p in local]
+        return [u.replace(stores.http.url, HTTP_SERVER.url) for u in urls]  # served from a process of its own
     url = stores.url(store, f"bench-{uuid.uuid4().hex[:6]}")
     for p in local:
         storage.write_bytes(storage.join(url, p.name), p.read_bytes())
     return [storage.join(url, p.name) for p in local]
+
+
+class HttpProcess:
+    """tests/stores.py's Range-capable server in a process of its own (in this one, it would share the GIL with the
+    loader it serves)."""
+
+    def __init__(self, root: Path):
+        from stores import free_port, wait_listening
+
+        port = free_port()
+        code = (f"import sys, time; sys.path.insert(0, {str(ROOT / 'tests')!r}); from stores import HttpServer; "
+                f"HttpServer(__import__('pathlib').Path({str(root)!r}), {port}); time.sleep(10**9)")
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        self.url = f"http://127.0.0.1:{port}"
+        wait_listening(port)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+HTTP_SERVER: HttpProcess | None = None
 
 
 def loader_rate(paths: list[str], *, threads: int, seconds: float) -> tuple[float, float]:
@@ -65,7 +90,7 @@ def loader_rate(paths: list[str], *, threads: int, seconds: float) -> tuple[floa
     from olmo3eqx.data import build_train_iterator
 
     t = time.perf_counter()
-    cfg = DataConfig(paths=tuple(paths), token_dtype="uint32", num_threads=threads, prefetch=4)
+    cfg = DataConfig(paths=tuple(paths), token_dtype="uint32", num_threads=threads, prefetch=max(4, threads))
     it = build_train_iterator(cfg, seq_len=SEQ_LEN, global_batch=16, seed=0, shard_index=0, shard_count=1,
                               vocab_size=100_352)
     opened = time.perf_counter() - t
@@ -123,8 +148,10 @@ def main() -> None:
     from stores import Stores
 
     tmp = Path(tempfile.mkdtemp(prefix="olmo3eqx-stores-bench-"))
+    global HTTP_SERVER
     stores = Stores(tmp / "servers")
     stores.start()
+    HTTP_SERVER = HttpProcess(stores.http_root)
     os.environ.update(stores.env)
     names = args.stores.split(",")
     try:
@@ -148,6 +175,10 @@ def main() -> None:
                   f"{row['restore_s']:.2f} s, peak RSS {row['peak_rss'] / 2**30:.2f} GiB (before saving "
                   f"{row['rss_before_save'] / 2**30:.2f}), restored intact: {row['restored_ok']}", flush=True)
     finally:
+        from olmo3eqx import storage
+
+        storage.stop_retrying()  # the iterators' prefetch threads still read: let them fail at once
+        HTTP_SERVER.stop()
         stores.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -192,13 +192,15 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
         file = Path(self.translate_path(self.path))
         if not found or self.server.mode == "ignore" or not file.is_file():
             return super().do_GET()
-        data = file.read_bytes()
-        start, end = int(found.group(1)), min(int(found.group(2)), len(data) - 1)
-        body = data[start:end + 1]
+        size = file.stat().st_size
+        start, end = int(found.group(1)), min(int(found.group(2)), size - 1)
+        with open(file, "rb") as f:
+            f.seek(start)
+            body = f.read(end + 1 - start)
         if self.server.mode == "truncate":
             body = body[:len(body) // 2]
         self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

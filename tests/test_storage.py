@@ -165,8 +165,9 @@ def test_http_missing_and_denied_are_permanent(stores):
     assert time.monotonic() - t < 5  # not retried
 
 
-def test_transient_http_failures_are_retried(stores, served, capfd):
+def test_transient_http_failures_are_retried(stores, served, capfd, monkeypatch):
     url, data = served
+    monkeypatch.setattr(storage, "_warned", {})  # a warning earlier in the session would silence this one
     stores.http.server.failures[url.split(stores.http.url)[1]] = 2  # two 503s, then the file
     assert storage.read_bytes(url, 0, 64) == data[:64]
     err = capfd.readouterr().err

@@ -231,6 +231,13 @@ def _key(url: str) -> str:
     return url.split("://", 1)[1]
 
 
+def _fresh(fs, url: str):
+    """`fs` with what it cached of `url` and its parents dropped: orbax writes arrays through tensorstore, and other
+    processes write too, so a listing cached earlier may not hold an object that now exists."""
+    fs.invalidate_cache(_key(url))
+    return fs
+
+
 # --- failures and retries ---------------------------------------------------------------------------
 
 
@@ -251,13 +258,12 @@ def failure_kind(e: BaseException) -> str | None:
     """'missing', 'denied' or 'transient' for a failure of a remote operation; None when it is none of these (a bug
     keeps its traceback)."""
     code = getattr(e, "status", None) or getattr(e, "code", None)
-    if isinstance(code, int):
+    if isinstance(code, int) and 100 <= code < 600:  # an HTTP status (gcsfs, google-cloud-storage, ours)
         if code in (401, 403):
             return "denied"
         if code in (404, 410):
             return "missing"
-        if code in TRANSIENT_HTTP or code >= 500:
-            return "transient"
+        return "transient" if code in TRANSIENT_HTTP or code >= 500 else None
     if isinstance(e, FileNotFoundError):
         return "missing"
     if isinstance(e, PermissionError) or (type(e) is OSError and str(e).startswith("Forbidden")):  # gcsfs's 403
@@ -296,6 +302,21 @@ def _first_line(e: BaseException) -> str:
 
 T = TypeVar("T")
 _stopping = threading.Event()
+WARN_EVERY_S = 30.0
+"""A store that fails for many readers at once is reported once per this many seconds, not once per read."""
+_warned: dict[str, float] = {}
+_warned_lock = threading.Lock()
+
+
+def _warn_store(url: str, message: str) -> None:
+    """Print `message` unless this URL's store (scheme and host) was reported in the last WARN_EVERY_S seconds."""
+    parts = urlsplit(url)
+    key, now = f"{parts.scheme}://{parts.netloc}", time.monotonic()
+    with _warned_lock:
+        if now - _warned.get(key, -WARN_EVERY_S) < WARN_EVERY_S:
+            return
+        _warned[key] = now
+    print(message, file=sys.stderr, flush=True)
 
 
 def stop_retrying() -> None:
@@ -328,8 +349,8 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
                                    f"({_first_line(e)}); check that the store is reachable and relaunch to resume"
                                    ) from None
             if not warned:
-                print(f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
-                      f"{retry_seconds():.0f} s.", file=sys.stderr, flush=True)
+                _warn_store(url, f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
+                                 f"{retry_seconds():.0f} s.")
                 warned = True
             _stopping.wait(pause * random.uniform(0.5, 1.5))
             pause = min(2 * pause, RETRY_MAX_S)
@@ -417,7 +438,7 @@ def size(p: str) -> int:
     if s in READ_ONLY:
         return retrying(lambda: _http_size(p), p)
     fs = filesystem(s)
-    return int(retrying(lambda: fs.size(_key(p)), p))
+    return int(retrying(lambda: _fresh(fs, p).size(_key(p)), p))
 
 
 def exists(p: str) -> bool:
@@ -425,7 +446,7 @@ def exists(p: str) -> bool:
     if s is None:
         return os.path.exists(p)
     try:
-        size(p) if s in READ_ONLY else retrying(lambda: filesystem(s).info(_key(p)), p)
+        size(p) if s in READ_ONLY else retrying(lambda: _fresh(filesystem(s), p).info(_key(p)), p)
     except FileNotFoundError:
         return False
     return True
@@ -438,7 +459,7 @@ def isfile(p: str) -> bool:
     if s in READ_ONLY:
         return exists(p)
     try:
-        info = retrying(lambda: filesystem(s).info(_key(p)), p)
+        info = retrying(lambda: _fresh(filesystem(s), p).info(_key(p)), p)
     except FileNotFoundError:
         return False
     return info.get("type") == "file"
@@ -453,7 +474,7 @@ def isdir(p: str) -> bool:
     if s in READ_ONLY:
         return False
     fs = filesystem(s)
-    return bool(retrying(lambda: fs.isdir(_key(p)), p))
+    return bool(retrying(lambda: _fresh(fs, p).isdir(_key(p)), p))
 
 
 def listdir(p: str) -> list[str]:

@@ -47,9 +47,9 @@ PANELS_PER_ROW = 5
 
 def eval_files(run_dir: str) -> list[dict]:
     """The records of <run>/eval/step_<N>.json (python -m olmo3eqx.eval), as {"step": N, metric: value}; none when
-    `run_dir` names a metrics file."""
+    `run_dir` names a metrics file or is on a web server."""
     records = []
-    if run_dir.endswith(".jsonl"):
+    if run_dir.endswith(".jsonl") or storage.scheme(run_dir) in storage.READ_ONLY:  # a web server has no listing
         return records
     for path in storage.glob(storage.join(run_dir, "eval", "step_*.json")):
         d = json.loads(storage.read_text(path))
