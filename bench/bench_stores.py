@@ -175,9 +175,6 @@ def main() -> None:
                   f"{row['restore_s']:.2f} s, peak RSS {row['peak_rss'] / 2**30:.2f} GiB (before saving "
                   f"{row['rss_before_save'] / 2**30:.2f}), restored intact: {row['restored_ok']}", flush=True)
     finally:
-        from olmo3eqx import storage
-
-        storage.stop_retrying()  # the iterators' prefetch threads still read: let them fail at once
         HTTP_SERVER.stop()
         stores.stop()
         shutil.rmtree(tmp, ignore_errors=True)

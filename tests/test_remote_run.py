@@ -296,7 +296,7 @@ def test_remote_token_files_give_the_local_batches(scheme, order, stores, tmp_pa
                for i, c in enumerate((local_cfg, remote_cfg))]
         assert its[0].source.fingerprint == its[1].source.fingerprint
         assert its[0].num_instances == its[1].num_instances == 5000 // 64 + 3000 // 64 + 777 // 64 + 4100 // 64
-        for _ in range(2 * its[0].batches_per_epoch + 1):  # past an epoch boundary
+        for _ in range(its[0].batches_per_epoch + 2):  # past an epoch boundary
             a, b = next(its[0]), next(its[1])
             np.testing.assert_array_equal(a["index"], b["index"])
             np.testing.assert_array_equal(a["tokens"], b["tokens"])
@@ -304,8 +304,9 @@ def test_remote_token_files_give_the_local_batches(scheme, order, stores, tmp_pa
 
 
 def test_remote_data_errors_are_one_sentence_naming_the_url(setup, reference, stores, tmp_path):
-    """Through train.py: a server that ignores Range, a truncated file, a missing object and a denied one each stop
-    the run before any step with exit 2 and one sentence naming the URL; nothing is written."""
+    """A server that ignores Range, a truncated file, a missing object and a denied one each stop before any step
+    with one sentence naming the URL: the first two through train.py (exit 2, nothing written), all four as the
+    loader raises them."""
     base, cfg = setup
     src = corpus(base) / "heldout_00000.npy"
     (tmp_path / "odd.npy").write_bytes(src.read_bytes()[:-1])  # not whole uint16 tokens
@@ -316,9 +317,16 @@ def test_remote_data_errors_are_one_sentence_naming_the_url(setup, reference, st
              "missing": (storage.join(bucket, "missing.npy"), "does not exist"),
              "denied": (stores.url("http", "denied", "tokens.npy"), "was denied")}
     for name, (path, says) in cases.items():
+        mode = "ignore" if name == "range ignored" else "range"
+        with stores.http.mode(mode), pytest.raises(ValueError) as e:  # DataError and the storage errors alike
+            build_train_iterator(DataConfig(paths=(path,), token_dtype="uint16", num_threads=0, prefetch=0),
+                                 seq_len=64, global_batch=8, seed=0, shard_index=0, shard_count=1, vocab_size=384)
+        assert path in str(e.value) and says in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+        if name not in ("range ignored", "denied"):
+            continue
         run_root = str(tmp_path / "runs" / name.replace(" ", "-"))
         flags = ["--data.paths", path, "--data.heldout-paths", path, "--data.token-dtype", "uint16"]
-        with stores.http.mode("ignore" if name == "range ignored" else "range"):
+        with stores.http.mode(mode):
             p = subprocess.run(command(cfg, run_root, *flags), env=env(), capture_output=True, text=True, timeout=300)
         errors = error_lines(p.stderr)
         assert p.returncode == exits.BAD_INPUT and len(errors) == 1, (name, p.stderr[-3000:])

@@ -220,3 +220,17 @@ def test_no_credential_or_signature_reaches_config_yaml(tmp_path):
     dump_yaml(TrainConfig(data=DataConfig(paths=(signed,))), tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     assert "secret" not in text and "deadbeef" not in text and "https://***@data.example/x.npy?***" in text
+
+
+def test_an_ending_process_does_not_wait_out_its_readers_retries():
+    """A reader thread retrying an unreachable store (grain's prefetch threads are concurrent.futures workers, joined
+    at exit) gives up when the interpreter ends: the exit does not hang for the retry window (10 minutes here)."""
+    import subprocess
+    import sys
+
+    code = ("import concurrent.futures, time; from olmo3eqx import storage; "
+            "concurrent.futures.ThreadPoolExecutor(1).submit(storage.read_bytes, 'http://127.0.0.1:9/x.npy', 0, 8); "
+            "time.sleep(1)")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OLMO3EQX_STORAGE_RETRY_SECONDS": "600"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "retrying for up to 600 s" in p.stderr, p.stderr[-2000:]

@@ -23,6 +23,7 @@ exponential backoff for up to `retry_seconds()` (120 s; `OLMO3EQX_STORAGE_RETRY_
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.thread  # noqa: F401 - see _stopping
 import contextlib
 import errno
 import functools
@@ -302,6 +303,10 @@ def _first_line(e: BaseException) -> str:
 
 T = TypeVar("T")
 _stopping = threading.Event()
+# At interpreter exit, before concurrent.futures joins its workers (grain's prefetch threads among them), retries give
+# up: an ending process never waits out a reader's retries. Exit callbacks run last registered first, and
+# concurrent.futures.thread registers its join when first imported: hence that import first.
+threading._register_atexit(_stopping.set)
 WARN_EVERY_S = 30.0
 """A store that fails for many readers at once is reported once per this many seconds, not once per read."""
 _warned: dict[str, float] = {}
@@ -318,11 +323,6 @@ def _warn_store(url: str, message: str) -> None:
         _warned[key] = now
     print(message, file=sys.stderr, flush=True)
 
-
-def stop_retrying() -> None:
-    """Make every retry loop of this process give up at once (StorageError): a process that is ending must not wait
-    for its readers' retries (grain's prefetch threads are joined at exit)."""
-    _stopping.set()
 
 
 def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
@@ -345,9 +345,9 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
             if kind != "transient":
                 raise
             if time.monotonic() + pause > deadline or _stopping.is_set():
-                raise StorageError(f"{what.capitalize()} {redact(url)} failed for {retry_seconds():.0f} s "
-                                   f"({_first_line(e)}); check that the store is reachable and relaunch to resume"
-                                   ) from None
+                waited = "as the process ended" if _stopping.is_set() else f"for {retry_seconds():.0f} s"
+                raise StorageError(f"{what.capitalize()} {redact(url)} failed {waited} ({_first_line(e)}); check that "
+                                   f"the store is reachable and relaunch to resume") from None
             if not warned:
                 _warn_store(url, f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
                                  f"{retry_seconds():.0f} s.")

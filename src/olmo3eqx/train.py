@@ -330,12 +330,9 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             raise
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
-        try:
-            index_log.close()
-            log.close()
-            checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
-        finally:
-            storage.stop_retrying()  # prefetch threads still reading a bucket must not hold the exit
+        index_log.close()
+        log.close()
+        checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
 
 
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):
