@@ -1,11 +1,10 @@
-"""Train OLMo 3: `python train.py [--config configs/X.yaml] [--section.field value ...]` (see --help)."""
+"""Train OLMo 3: `python train.py [--config configs/X.yaml] [--section.field value ...]` (see --help).
+
+The same command as the `olmo3eqx-train` console script and `python -m olmo3eqx.train`."""
 
 import sys
 
 if __name__ == "__main__":
-    from olmo3eqx.tools.hostmem import reexec_with_caching_malloc
+    from olmo3eqx.train import cli  # the module imports only the standard library: jax comes after the re-exec
 
-    reexec_with_caching_malloc()  # on CPU hosts, once, before jax is imported (see olmo3eqx/tools/hostmem.py)
-    from olmo3eqx.train import main
-
-    sys.exit(main())
+    sys.exit(cli())

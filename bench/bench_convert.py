@@ -54,13 +54,14 @@ def synthesize(out: Path, config: dict, shard_bytes: float, seed: int = 0) -> di
     import numpy as np
     from safetensors.numpy import save_file
 
-    from olmo3eqx import hf
 
-    cfg = hf.config_from_hf(config)
-    specs = hf.tensor_specs(cfg)
+    from olmo3eqx.hf import config_json, weights
+
+    cfg = config_json.config_from_hf(config)
+    specs = weights.tensor_specs(cfg)
     rng = np.random.default_rng(seed)
     out.mkdir(parents=True)
-    shards = hf.plan_shards(specs, 4, int(shard_bytes))
+    shards = weights.plan_shards(specs, 4, int(shard_bytes))
     names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map, sizes = {}, []
     for name, shard in zip(names, shards):
@@ -70,9 +71,9 @@ def synthesize(out: Path, config: dict, shard_bytes: float, seed: int = 0) -> di
         weight_map.update({s.hf_name: name for s in shard})
         del tensors
     total = sum(math.prod(s.hf_shape) for s in specs) * 4
-    (out / hf.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (out / hf.CONFIG_FILE).write_text(json.dumps(config))
-    leaves = {path: sum(math.prod(s.hf_shape) for s in group) * 4 for path, group in hf.leaf_groups(specs).items()}
+    (out / weights.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (out / config_json.CONFIG_FILE).write_text(json.dumps(config))
+    leaves = {path: sum(math.prod(s.hf_shape) for s in group) * 4 for path, group in weights.leaf_groups(specs).items()}
     return {"model_bytes": total, "shards": len(names), "largest_shard_bytes": max(sizes),
             "largest_leaf_bytes": max(leaves.values()), "largest_leaf": ".".join(max(leaves, key=leaves.get))}
 

@@ -100,7 +100,7 @@ class TorchContender:
         import torch
         from transformers import Olmo3Config, Olmo3ForCausalLM
 
-        from olmo3eqx.hf import config_to_hf
+        from olmo3eqx.hf.config_json import config_to_hf
 
         torch.set_num_threads(os.cpu_count())
         torch.manual_seed(0)

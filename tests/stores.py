@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import os
 import re
 import shutil
 import socket

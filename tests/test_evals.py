@@ -263,7 +263,7 @@ def test_task_files_fewshot_and_errors(tmp_path):
 
 def test_eval_cli_on_a_checkpoint_prints_a_table_and_writes_json(tiny, tmp_path, capsys):
     from olmo3eqx import checkpoint
-    from olmo3eqx.eval import main
+    from olmo3eqx.tools.evaluate import main
 
     path, _, model, _, _ = tiny
     checkpoint.save_model(tmp_path / "ckpt", jax.device_get(model), model.cfg)
@@ -323,7 +323,7 @@ def test_training_loop_logs_every_named_set_and_task_and_every_checkpoint_is_sco
 
     # Every kept checkpoint scored after the fact: steps 1 and 2, then nothing left to score. Step 2's task
     # metrics are the loop's (same weights; 8 devices here, 2 there), held-out too on the loop's instances.
-    from olmo3eqx.eval import main
+    from olmo3eqx.tools.evaluate import main
 
     assert main(["--ckpt", str(tmp_path / "ev"), "--all-checkpoints", "--max-instances", "8"]) == 0
     scored = {n: json.loads((tmp_path / "ev" / "eval" / f"step_{n}.json").read_text()) for n in (1, 2)}
@@ -362,7 +362,7 @@ def test_lm_eval_harness_runs_offline_on_our_checkpoint(tiny, tmp_path, monkeypa
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-    from olmo3eqx.lm_eval_adapter import OLMo3EqxLM
+    from olmo3eqx.tools.lm_eval_adapter import OLMo3EqxLM
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))

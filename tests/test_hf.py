@@ -22,6 +22,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from olmo3eqx import checkpoint, hf
+
+from olmo3eqx.hf import config_json, parity, weights
 from olmo3eqx.tools.convert import main, save_tiny_hf_model
 
 torch = pytest.importorskip("torch")
@@ -101,7 +103,7 @@ def torch_logits(model, tokens) -> np.ndarray:
 
 
 def our_logits(model, tokens) -> np.ndarray:
-    return np.asarray(hf.batch_logits(model, jnp.asarray(tokens, jnp.int32)))  # jit(vmap(model))
+    return np.asarray(parity.batch_logits(model, jnp.asarray(tokens, jnp.int32)))  # jit(vmap(model))
 
 
 def test_float32_logits_match_transformers(hf_case):
@@ -216,7 +218,7 @@ def test_yarn_on_every_layer_fails_parity(yarn_case):
     name, dirs, tokens = yarn_case
     model, _ = hf.load_hf(dirs["per_type"])
     ours = our_logits(model, tokens)
-    stats = hf.kl_stats(hf.hf_logits(dirs["every_layer"], tokens, jnp.float32), ours)
+    stats = parity.kl_stats(parity.hf_logits(dirs["every_layer"], tokens, jnp.float32), ours)
     print(f"\n{name} YaRN on every layer: {stats}")
     assert stats["kl_mean"] > 1e-3, stats
     with pytest.raises(hf.ConversionError, match="to sliding_attention layers"):
@@ -251,7 +253,7 @@ def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys, monkeypatch):
     type, with the source's tensors. Tensors move in pieces of 4 KiB here, so every piece boundary is crossed."""
     dirs = yarn_dirs("yarn")
     model, cfg = hf.load_hf(dirs["per_type"])
-    monkeypatch.setattr(hf, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 4096)
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     assert _cli(["hf-to-orbax", "--hf-dir", dirs["legacy"], "--out", ckpt, "--skip-parity"], capsys)[0] == 0
     assert _cli(["orbax-to-hf", "--ckpt", ckpt, "--out", back, "--max-shard-gb", "0.0001"], capsys)[0] == 0
@@ -288,21 +290,21 @@ def test_final_preset_is_the_released_config_json():
     from the converted weights (init_from compares every non-compute field)."""
     from olmo3eqx.config import load_yaml
 
-    released = hf.config_from_hf(RELEASED_7B_CONFIG)
+    released = config_json.config_from_hf(RELEASED_7B_CONFIG)
     assert released.rope_scaling.rope_type == "yarn" and released.rope_scaling.factor == 8.0
     preset = load_yaml(REPO / "configs" / "olmo3-7b-final.yaml").model
     assert checkpoint.model_config_mismatch(released, preset) == []
-    assert hf.config_mismatches(released, preset) == []
+    assert config_json.config_mismatches(released, preset) == []
     # transformers reads the same file as YaRN on the full-attention layers and plain RoPE on the sliding ones.
     ref = transformers.Olmo3Config(**RELEASED_7B_CONFIG).rope_parameters
     assert ref[F]["rope_type"] == "yarn" and ref[S]["rope_type"] == "default"
-    assert hf.rope_to_hf(released)["rope_parameters"][F] == {**ref[F], "rope_theta": 500000.0}
+    assert config_json.rope_to_hf(released)["rope_parameters"][F] == {**ref[F], "rope_theta": 500000.0}
 
 
 def test_kl_stats_against_torch():
     rng = np.random.default_rng(0)
     p, q = rng.normal(size=(3, 5, 17)) * 3, rng.normal(size=(3, 5, 17)) * 3
-    stats = hf.kl_stats(p, q)
+    stats = parity.kl_stats(p, q)
     lp, lq = torch.log_softmax(torch.tensor(p), -1), torch.log_softmax(torch.tensor(q), -1)
     kl = torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)  # KL(p || q)
     assert stats["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-9)
@@ -321,8 +323,8 @@ def test_round_trip_through_save_hf(tmp_path, rope):
     save_tiny_hf_model(src, seed=3, **{**CONFIGS["odd"], "layer_types": [F, S, F], **(yarn if rope == "yarn" else {})})
     model, cfg = hf.load_hf(src)
     files = hf.save_hf(model, cfg, tmp_path / "out", max_shard_bytes=60_000)
-    assert len(files) > 2 and (tmp_path / "out" / hf.INDEX_FILE).is_file()
-    index = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
+    assert len(files) > 2 and (tmp_path / "out" / weights.INDEX_FILE).is_file()
+    index = json.loads((tmp_path / "out" / weights.INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == sorted(f.name for f in files)
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -369,7 +371,7 @@ def test_config_defaults_follow_transformers():
     """A field config.json leaves out takes Olmo3Config's default (eps 1e-5, theta 500000, ...), not ours."""
     d = {"model_type": "olmo3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 6, "num_attention_heads": 4, "eos_token_id": 2}
-    cfg = hf.config_from_hf(d)
+    cfg = config_json.config_from_hf(d)
     ref = transformers.Olmo3Config(**d)
     assert cfg.rms_norm_eps == ref.rms_norm_eps == 1e-5
     assert cfg.rope_theta == ref.rope_parameters[F]["rope_theta"]
@@ -402,7 +404,7 @@ def test_unsupported_configs_are_named(change, words):
     d = {"model_type": "olmo3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 4, "num_attention_heads": 4, "eos_token_id": 2, **change}
     with pytest.raises(hf.ConversionError, match=re.escape(words)):
-        hf.config_from_hf(d)
+        config_json.config_from_hf(d)
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -493,7 +495,7 @@ def test_missing_eos_is_refused_not_guessed(small_hf, tmp_path, capsys):
     d = {"model_type": "olmo3", "vocab_size": 100352, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 4, "num_attention_heads": 4, "eos_token_id": None}
     with pytest.raises(hf.ConversionError, match="no eos_token_id.*--eos-token-id"):
-        hf.config_from_hf(d)
+        config_json.config_from_hf(d)
     bare = _without_token_ids(small_hf, tmp_path / "bare")
     rc, _, err = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c", "--skip-parity"], capsys)
     assert rc == 2 and "--eos-token-id" in _one_clear_line(err) and not (tmp_path / "c").exists()
@@ -601,7 +603,7 @@ def test_cli_end_to_end(tmp_path):
     # hf-to-orbax -> checkpoint.load_model gives the same model, hence the same logits, as load_hf.
     model, cfg = hf.load_hf(hf_dir)
     restored, rcfg = checkpoint.load_model(ckpt)
-    assert hf.config_mismatches(cfg, rcfg) == [] and rcfg.param_dtype == "float32"
+    assert config_json.config_mismatches(cfg, rcfg) == [] and rcfg.param_dtype == "float32"
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
     np.testing.assert_array_equal(our_logits(restored, tokens), our_logits(model, tokens))
     # orbax-to-hf wrote the demo's tensors back bit for bit (in several shards).

@@ -478,12 +478,12 @@ def test_tools_and_init_from_read_and_write_urls(gs_run, s3_run, setup, stores, 
     for a, b in zip(jax_leaves(converted), jax_leaves(ours)):
         np.testing.assert_array_equal(a, b)
 
-    p = tool("--ckpt", gs_run["run"], "--max-instances", "8", module="olmo3eqx.eval")  # as in the loop: 1 batch
+    p = tool("--ckpt", gs_run["run"], "--max-instances", "8", module="olmo3eqx.tools.evaluate")  # as in the loop: 1 batch
     scored = json.loads(storage.read_text(storage.join(gs_run["run"], "eval", f"step_{STEPS}.json")))
     logged = [r for r in read_metrics(gs_run["run"]) if r["step"] == STEPS and "eval/heldout/loss" in r][-1]
     assert scored["metrics"]["eval/heldout/loss"] == pytest.approx(logged["eval/heldout/loss"], rel=1e-4)
 
-    p = tool(gs_run["run"], s3_run["run"], "--out", str(tmp_path / "cmp.png"), module="olmo3eqx.compare")
+    p = tool(gs_run["run"], s3_run["run"], "--out", str(tmp_path / "cmp.png"), module="olmo3eqx.tools.compare")
     assert "train/loss" in p.stdout and (tmp_path / "cmp.png").stat().st_size > 0
 
     root = stores.url("s3", f"runs-{uuid.uuid4().hex[:6]}")

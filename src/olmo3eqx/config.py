@@ -356,7 +356,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     """Held-out LM loss on named token sets and downstream tasks (olmo3eqx.evaluator), in the loop and from
-    `python -m olmo3eqx.eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric> (acc,
+    `olmo3eqx-eval`. Metrics: eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric> (acc,
     len_norm, bpb, bpb_v1, primary; olmo3eqx.tasks)."""
 
     every: int = 1000

@@ -22,7 +22,6 @@ import functools
 import gzip
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
@@ -175,7 +174,7 @@ def check_task_name(name: str) -> None:
     close = difflib.get_close_matches(name, supported_tasks(), n=3, cutoff=0.7)
     raise TaskError(f"Unknown task {name!r}{' (did you mean ' + ', '.join(close) + '?)' if close else ''}: eval.tasks "
                     f"takes JSONL task files, the named sets {', '.join(TASK_SETS)}, or one of olmo_eval's "
-                    f"{len(supported_tasks())} task names, which `python -m olmo3eqx.eval --list-tasks` prints.")
+                    f"{len(supported_tasks())} task names, which `olmo3eqx-eval --list-tasks` prints.")
 
 
 # --- requests ------------------------------------------------------------------------------------

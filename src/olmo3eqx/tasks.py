@@ -286,7 +286,7 @@ class Task:
                     rows.append(build_request(ctx, cont, max_len=max_len, eos_id=tokenizer.eos_id))
                 except TaskError as err:
                     raise TaskError(f"Task {name} document {r.doc} choice {r.choice}: {str(err)[:-1]}; raise data.seq_len "
-                                    f"(--seq-len for python -m olmo3eqx.eval) or leave the task out.") from None
+                                    f"(--seq-len for olmo3eqx-eval) or leave the task out.") from None
         else:
             by_doc: dict[int, list[int]] = {}
             for i, r in enumerate(requests):

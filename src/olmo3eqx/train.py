@@ -424,8 +424,14 @@ class Reporter:
         return sum(self.losses) / len(self.losses) if self.losses else None
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The `olmo3eqx-train` console script, `python train.py` and `python -m olmo3eqx.train`: on CPU hosts one
+    re-exec with a caching host allocator first (olmo3eqx/tools/hostmem.py), before anything imports jax."""
     from olmo3eqx.tools.hostmem import reexec_with_caching_malloc
 
-    reexec_with_caching_malloc()  # as train.py does (olmo3eqx/tools/hostmem.py); jax is not imported yet
-    sys.exit(main())
+    reexec_with_caching_malloc()
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

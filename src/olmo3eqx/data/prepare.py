@@ -427,5 +427,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         sys.exit(f"error: {e}")
 
 
+def cli() -> int:
+    """The `olmo3eqx-prepare` console script (main returns the metadata; a console script wants an exit code)."""
+    main()
+    return 0
+
+
 if __name__ == "__main__":
     main()

@@ -1,4 +1,13 @@
-"""The command-line tools around the trainer: checkpoint conversion (convert), checkpoint evaluation (evaluate,
-`python -m olmo3eqx.eval`), run comparison (compare, `python -m olmo3eqx.compare`), the lm-evaluation-harness
-adapter (lm_eval_adapter), the `--until-done` supervisor (supervise) and the CPU host allocator re-exec
-(hostmem)."""
+"""The command-line tools around the trainer, each installed as a console script by `pip install -e .`
+(`[project.scripts]` in pyproject.toml) and runnable as `python -m olmo3eqx.tools.<module>`:
+
+- convert (`olmo3eqx-convert`, also `python convert.py`): HF <-> orbax checkpoints, logit parity;
+- evaluate (`olmo3eqx-eval`): held-out loss and downstream tasks of a checkpoint or of every kept checkpoint;
+- compare (`olmo3eqx-compare`): two runs side by side, with the memorisation verdict;
+- lm_eval_adapter (`olmo3eqx-lm-eval`): the lm-evaluation-harness CLI with the "olmo3eqx" model registered;
+- supervise (train.py's `--until-done`), hostmem (train.py's host-allocator re-exec on CPU hosts), regenerate_mixes
+  (`olmo3eqx-regenerate-mixes`: the shipped mix lists from the installed ai2-olmo-core).
+
+The trainer itself is `olmo3eqx-train` (also `python train.py`), data preparation `olmo3eqx-prepare` (also
+`python -m olmo3eqx.data.prepare`).
+"""

@@ -1,10 +1,10 @@
 """Compare two runs: both runs' curves of train loss, every held-out set and every downstream task metric, the
 largest difference at matching steps, windowed deltas, the memorisation verdict, and PNGs of the curves.
 
-    python -m olmo3eqx.compare runs/A runs/B [--x tokens] [--windows 4] [--out compare.png]
+    olmo3eqx-compare runs/A runs/B [--x tokens] [--windows 4] [--out compare.png]
 
 A run's points are its metrics.jsonl plus, for steps and metrics it lacks, the eval/step_<N>.json files of
-`python -m olmo3eqx.eval --all-checkpoints`. The runs are aligned on step (or on train/tokens). Printed:
+`olmo3eqx-eval --all-checkpoints`. The runs are aligned on step (or on train/tokens). Printed:
 - per metric (train/loss, eval/<set>/loss, eval/downstream/<task>/<metric>): the points both runs have at the same
   step, each run's last value there, and the largest |A - B| over them with its step;
 - windowed deltas of train loss, held-out losses and each task's primary metric: the common range cut into equal
@@ -46,7 +46,7 @@ PANELS_PER_ROW = 5
 
 
 def eval_files(run_dir: str) -> list[dict]:
-    """The records of <run>/eval/step_<N>.json (python -m olmo3eqx.eval), as {"step": N, metric: value}; none when
+    """The records of <run>/eval/step_<N>.json (olmo3eqx-eval), as {"step": N, metric: value}; none when
     `run_dir` names a metrics file or is on a web server."""
     records = []
     if run_dir.endswith(".jsonl") or storage.scheme(run_dir) in storage.READ_ONLY:  # a web server has no listing

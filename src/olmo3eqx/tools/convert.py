@@ -101,12 +101,13 @@ def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl:
     import jax.numpy as jnp
 
     from olmo3eqx import checkpoint, hf
+    from olmo3eqx.hf.weights import iter_leaves, load_weights, open_hf
 
     _refuse_existing(out, "Output checkpoint")
     # every name, shape and dtype checked before any work
-    weights = hf.open_hf(hf_dir, jnp.float32, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    weights = open_hf(hf_dir, jnp.float32, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if not skip_parity:
-        model = hf.load_weights(weights)
+        model = load_weights(weights)
         stats = hf.logit_parity(hf_dir, model, random_tokens(weights.cfg.vocab_size, batch, seq_len, seed),
                                 jnp.float32)
         del model
@@ -118,7 +119,7 @@ def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl:
                 raise ParityFailed(msg + " Nothing written (pass --force to write anyway).")
             print(f"warning: {msg} Writing anyway (--force).", file=sys.stderr)
     cfg = dataclasses.replace(weights.cfg, param_dtype=dtype, compute_dtype=dtype)
-    leaves = hf.iter_leaves(weights, conversion_shardings(cfg), dtype)
+    leaves = iter_leaves(weights, conversion_shardings(cfg), dtype)
     checkpoint.save_model_leaves(out, cfg, released_between(leaves), step=0)
     print(f"wrote {out} (step 0, {dtype})")
 
@@ -136,7 +137,8 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
         dtype: Stored dtype; default the checkpoint's param_dtype.
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
     """
-    from olmo3eqx import checkpoint, hf
+    from olmo3eqx import checkpoint
+    from olmo3eqx.hf import weights
     from olmo3eqx.model import abstract_model
 
     _refuse_existing(out, "Output directory")
@@ -145,10 +147,10 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
 
     def leaf(path: tuple[str, ...]):
         hostmem.release_freed_memory()  # what the previous leaf's restore left in malloc's arenas
-        return checkpoint.restore_model_leaf(root, step, path, hf.leaf_of(abstract, path))
+        return checkpoint.restore_model_leaf(root, step, path, weights.leaf_of(abstract, path))
 
     with staged(out) as local:
-        files = hf.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
+        files = weights.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
           f"{dtype or cfg.param_dtype})")
 
@@ -183,10 +185,11 @@ def parity(hf_dir: Path, ckpt: str | Path, seq_len: int = 128, batch: int = 2, d
         max_kl: If given, exit 1 when the mean KL exceeds it.
     """
     from olmo3eqx import checkpoint, hf
+    from olmo3eqx.hf import config_json
 
     model, cfg = checkpoint.load_model(ckpt)
-    hf_cfg = hf.read_hf_architecture(hf_dir, cfg)
-    diff = hf.config_mismatches(hf_cfg, cfg)
+    hf_cfg = config_json.read_hf_architecture(hf_dir, cfg)
+    diff = config_json.config_mismatches(hf_cfg, cfg)
     if diff:
         raise hf.ConversionError(f"The HF config and the checkpoint config disagree on {'; '.join(diff)} "
                                  f"(HF vs checkpoint); they are not the same model.")

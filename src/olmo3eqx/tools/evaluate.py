@@ -1,9 +1,9 @@
 """Evaluate a checkpoint, or every kept checkpoint of a run: held-out LM loss per named set and downstream tasks;
 prints a table, writes JSON.
 
-    python -m olmo3eqx.eval --ckpt runs/tiny --heldout c4_en=data/c4_en/*.npy --tasks seed-eight
-    python -m olmo3eqx.eval --ckpt runs/tiny --all-checkpoints
-    python -m olmo3eqx.eval --list-tasks
+    olmo3eqx-eval --ckpt runs/tiny --heldout c4_en=data/c4_en/*.npy --tasks seed-eight
+    olmo3eqx-eval --ckpt runs/tiny --all-checkpoints
+    olmo3eqx-eval --list-tasks
 
 `--ckpt` is a run directory, its checkpoints/, one step directory, convert.py's output, or an HF Olmo3
 directory (config.json + safetensors). Flags left unset come from the run's stored config (eval.heldout or its
@@ -12,7 +12,7 @@ present. `--tasks` takes what eval.tasks takes: olmo_eval task names, the named 
 (default: <run>/eval/step_<N>.json for a run, else eval_step_<N>.json here) holds the metrics under their
 logged names, each task's primary metric and what was evaluated (`spec`). `--all-checkpoints` scores every kept
 step of the run in turn into <run>/eval/step_<N>.json, skipping steps whose file already holds the same spec;
-`python -m olmo3eqx.compare` reads these files beside metrics.jsonl.
+`olmo3eqx-compare` reads these files beside metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ class Args:
 def load_any(ckpt: str):
     """(model, ModelConfig, stored run config dict or None, HF tokenizer.json or None, step, run dir or None)."""
     from olmo3eqx import checkpoint, hf, storage
+    from olmo3eqx.hf import config_json
 
-    if not storage.is_url(ckpt) and (Path(ckpt) / hf.CONFIG_FILE).is_file():
+    if not storage.is_url(ckpt) and (Path(ckpt) / config_json.CONFIG_FILE).is_file():
         path = Path(ckpt)
         model, cfg = hf.load_hf(path)
         tok = path / "tokenizer.json"

@@ -1,14 +1,14 @@
 """lm-evaluation-harness adapter: olmo3eqx checkpoints as the `lm_eval` model "olmo3eqx".
 
     pip install -e ".[lm-eval]"
-    python -m olmo3eqx.lm_eval_adapter --model olmo3eqx --model_args ckpt=runs/tiny,tokenizer=bytes --tasks ...
+    olmo3eqx-lm-eval --model olmo3eqx --model_args ckpt=runs/tiny,tokenizer=bytes --tasks ...
 
 (the harness's own CLI, with this model registered first), or from Python:
 
-    import lm_eval, olmo3eqx.lm_eval_adapter
+    import lm_eval, olmo3eqx.tools.lm_eval_adapter  # registers "olmo3eqx"
     lm_eval.simple_evaluate(model="olmo3eqx", model_args="ckpt=runs/tiny", tasks=["hellaswag"])
 
-Model arguments: `ckpt` (anything `python -m olmo3eqx.eval --ckpt` takes), `tokenizer` ('bytes' or a
+Model arguments: `ckpt` (anything `olmo3eqx-eval --ckpt` takes), `tokenizer` ('bytes' or a
 tokenizer.json; default: the run's eval.tokenizer, an HF directory's tokenizer.json, else bytes), `max_length`
 (default: the run's data.seq_len) and the harness's `batch_size`. Scoring is olmo3eqx.evaluator's jitted, bucketed,
 sharded scorer: `loglikelihood` sums the continuation's log-probabilities given the left-truncated context,
