@@ -215,6 +215,7 @@ class DataConfig:
     heldout_paths: tuple[str, ...] = ()
     """Held-out token files or globs; empty with empty `paths` means the default corpus's held-out split."""
     seq_len: int = 8192
+    """Tokens per instance (the training context length); an instance is seq_len consecutive tokens of one file."""
     global_batch: int = 512
     """Instances per optimizer step, fixed whatever the device count."""
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
@@ -442,7 +443,9 @@ class DistConfig:
     coordinator_address: str | None = None
     """host:port of process 0's coordination service."""
     num_processes: int | None = None
+    """Number of processes (hosts) in the run; unset: JAX_NUM_PROCESSES, else the cluster's auto-detection."""
     process_id: int | None = None
+    """This process's index in [0, num_processes); unset: JAX_PROCESS_ID, else the cluster's auto-detection."""
     initialization_timeout: int = 300
     """Seconds to wait for every process to join."""
     heartbeat_timeout: int = 100

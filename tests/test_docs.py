@@ -1,0 +1,312 @@
+"""The documentation: the site builds with `mkdocs build --strict` (a broken link, anchor or page fails it), the
+configuration reference covers every config field, and every command the README and docs/ show in a shell block
+parses with the real command's own parser, so no documented flag or subcommand can disappear unnoticed.
+
+A documented command is run in this process up to the point where its arguments are parsed (tyro or argparse,
+and for train.py the YAML preset and the config's validation) and stopped there; nothing is trained, converted or
+downloaded. A program the docs show that is neither ours nor on the list of other tools fails the test, so a new
+kind of command cannot slip past unchecked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+OTHER_TOOLS = {"pip", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
+               "gcloud"}
+"""Programs the docs may show that are not ours (their flags are their authors' business)."""
+SHELL_WORDS = {"do", "then", "else", "{", "}", "(", ")"}
+SEPARATORS = {";", "&&", "||", "|", "&", ";;"}
+
+
+class Parsed(Exception):
+    """Raised by the patched parsers once a command's arguments parsed: the command stops there."""
+
+
+def shell_blocks(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every fenced shell block in a Markdown file."""
+    out, lines, i = [], path.read_text().splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^\s*```(\w+)", lines[i])
+        if m:
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].strip().startswith("```"):
+                body.append(lines[i])
+                i += 1
+            if m.group(1) in SHELL_LANGS:
+                out.append((start + 1, "\n".join(body)))
+        i += 1
+    return out
+
+
+def simple_commands(script: str) -> list[list[str]]:
+    """The simple commands of a shell snippet: continuations joined, comments dropped, split at ; && || | &,
+    leading VAR=value assignments and shell keywords removed, `for` headers skipped, gcloud's --command and
+    srun's payload unpacked."""
+    commands = []
+    for line in script.replace("\\\n", " ").splitlines():
+        lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lex.whitespace_split = True
+        lex.commenters = "#"
+        cur = []
+        for tok in list(lex) + [";"]:
+            if tok in SEPARATORS:
+                if cur:
+                    commands.append(cur)
+                cur = []
+            else:
+                cur.append(tok)
+    out = []
+    for cmd in commands:
+        while cmd and (cmd[0] in SHELL_WORDS or re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", cmd[0])):
+            cmd = cmd[1:]
+        if not cmd or cmd[0] in ("for", "done", "while", "if", "fi"):
+            continue
+        if cmd[0] == "gcloud" and "--command" in cmd:
+            out += simple_commands(cmd[cmd.index("--command") + 1])
+            continue
+        if cmd[0] == "srun":
+            starts = [i for i, t in enumerate(cmd) if t == "python" or t.startswith("olmo3eqx-")]
+            if starts:
+                out.append(cmd[starts[0]:])
+                continue
+        out.append(cmd)
+    return out
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    cmds = []
+    for path in DOC_FILES:
+        for line, text in shell_blocks(path):
+            for cmd in simple_commands(text):
+                cmds.append((f"{path.relative_to(ROOT)}:{line}", cmd))
+    return cmds
+
+
+def console_scripts() -> dict[str, str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def entry(cmd: list[str]):
+    """(callable that runs the command, its argv) for one of our commands; None for another program's; raises
+    for a program nobody accounted for."""
+    prog = cmd[0]
+    if prog in console_scripts():
+        module, func = console_scripts()[prog].split(":")
+        return (lambda: getattr(importlib.import_module(module), func)()), cmd
+    if prog in ("python", "python3") or prog.endswith("/python"):
+        if cmd[1] == "-m":
+            module = cmd[2]
+            if module in ("venv", "pytest", "http.server"):
+                return None
+            assert module.startswith("olmo3eqx"), f"python -m {module} is neither ours nor a known tool"
+            return (lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)), [module, *cmd[3:]]
+        script = ROOT / cmd[1]
+        assert script.is_file(), f"{cmd[1]} is not a file of this repository"
+        return (lambda: runpy.run_path(str(script), run_name="__main__")), [str(script), *cmd[2:]]
+    if prog in OTHER_TOOLS:
+        return None
+    raise AssertionError(f"{prog!r} is neither one of our commands nor in OTHER_TOOLS")
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """tyro and argparse patched to stop a command with Parsed right after its arguments parse (a tyro config
+    class is constructed first, so its validation runs; a tyro subcommand function is replaced by a stub with its
+    signature, so it never runs)."""
+    import tyro
+    import tyro.extras
+
+    real_cli, real_sub = tyro.cli, tyro.extras.subcommand_cli_from_dict
+    real_parse = argparse.ArgumentParser.parse_args
+    real_known = argparse.ArgumentParser.parse_known_args
+    depth = {"tyro": 0, "argparse": 0}
+
+    def stub(f):
+        @functools.wraps(f)
+        def stopped(*args, **kwargs):
+            raise Parsed(f.__name__)
+        return stopped
+
+    def cli(f, *args, **kwargs):
+        depth["tyro"] += 1
+        try:
+            result = real_cli(stub(f) if callable(f) and not isinstance(f, type) else f, *args, **kwargs)
+        finally:
+            depth["tyro"] -= 1
+        raise Parsed(result)
+
+    def sub(commands, *args, **kwargs):
+        depth["tyro"] += 1
+        try:
+            real_sub({name: stub(f) for name, f in commands.items()}, *args, **kwargs)
+        finally:
+            depth["tyro"] -= 1
+        raise AssertionError("a subcommand stub always raises Parsed")
+
+    def parse_args(self, args=None, namespace=None):
+        depth["argparse"] += 1  # argparse's parse_args calls parse_known_args, then refuses what is left
+        try:
+            result = real_parse(self, args, namespace)
+        finally:
+            depth["argparse"] -= 1
+        if depth["tyro"]:
+            return result
+        raise Parsed(result)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # train.py's entry flags are read by parse_known_args before tyro reads the rest
+        result = real_known(self, args, namespace)
+        if depth["tyro"] or depth["argparse"] or any(a.dest == "config" for a in self._actions):
+            return result
+        raise Parsed(result)
+
+    monkeypatch.setattr(tyro, "cli", cli)
+    monkeypatch.setattr(tyro.extras, "subcommand_cli_from_dict", sub)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+    monkeypatch.setenv("OLMO3EQX_MALLOC", "system")  # no host-allocator re-exec of the test process
+    monkeypatch.chdir(ROOT)
+
+
+def run_parse_only(cmd: list[str]) -> str:
+    """'' when the command parsed, else what it said (its exit code and stderr)."""
+    target = entry(cmd)
+    if target is None:
+        return ""
+    run, argv = target
+    env, saved_argv = dict(os.environ), sys.argv
+    sys.argv = list(argv)
+    try:
+        run()
+        return "ran to the end without parsing arguments through tyro or argparse"
+    except Parsed:
+        return ""
+    except SystemExit as e:
+        return "" if e.code in (0, None) else f"exit {e.code}"
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.mark.filterwarnings("ignore:'olmo3eqx.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
+def test_documented_commands_parse(parse_only, capsys):
+    cmds = documented_commands()
+    ours = [(where, cmd) for where, cmd in cmds if entry(cmd) is not None]
+    assert len(ours) >= 40, f"only {len(ours)} of our commands found in the docs: the extraction broke"
+    failures = []
+    for where, cmd in ours:
+        problem = run_parse_only(cmd)
+        err = capsys.readouterr().err
+        if problem:
+            failures.append(f"{where}: {shlex.join(cmd)}\n    {problem}: {err.strip()[-600:]}")
+    assert not failures, "documented commands that no longer parse:\n" + "\n".join(failures)
+
+
+def test_a_removed_flag_is_caught(parse_only, capsys):
+    """The check itself: a flag that does not exist, a subcommand that does not exist and a config that fails
+    validation are each reported, for a tyro config, a tyro subcommand and an argparse script."""
+    assert run_parse_only(["python", "train.py", "--steps", "3"]) == ""
+    assert run_parse_only(["python", "train.py", "--optim.no-such-field", "3"])
+    assert run_parse_only(["python", "train.py", "--steps", "-1"])  # validation (__post_init__)
+    assert run_parse_only(["python", "convert.py", "parity", "--hf-dir", "d", "--ckpt", "c"]) == ""
+    assert run_parse_only(["python", "convert.py", "parity", "--hf-dir", "d", "--ckpt", "c", "--no-such-flag"])
+    assert run_parse_only(["python", "convert.py", "no-such-subcommand"])
+    assert run_parse_only(["olmo3eqx-eval", "--ckpt", "runs/x", "--no-such-flag"])
+    assert run_parse_only(["python", "bench/bench_data.py", "--no-such-flag"])
+    capsys.readouterr()
+    with pytest.raises(AssertionError, match="neither one of our commands"):
+        entry(["frobnicate", "--x"])
+
+
+def test_shell_parsing_of_the_docs_forms():
+    script = """python train.py --a 1 \\
+  --b 2   # a comment
+pip install -e ".[tpu]"      # libtpu
+for i in 0 1; do
+  JAX_PROCESS_ID=$i XLA_FLAGS=--x=2 python train.py --steps 20 &
+done; wait
+gcloud compute tpus tpu-vm ssh v --worker=all --command "cd d && .venv/bin/python train.py --run.dir gs://b/r"
+srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml"""
+    assert simple_commands(script) == [
+        ["python", "train.py", "--a", "1", "--b", "2"], ["pip", "install", "-e", ".[tpu]"],
+        ["python", "train.py", "--steps", "20"], ["wait"], ["cd", "d"],
+        [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"]]
+
+
+def test_config_reference_covers_every_field():
+    """The generated reference has one documented row per config field, at every nesting level."""
+    import dataclasses
+
+    from olmo3eqx import config
+
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        hooks = importlib.import_module("hooks")
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+
+    def leaves(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = getattr(config, str(f.type), None)
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+                yield from leaves(sub, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    expected = set(leaves(config.TrainConfig))
+    assert {"model.rope_scaling.factor", "data.mix_root", "steps", "init_from"} <= expected
+    documented = {prefix + f.name: hooks.field_docs(cls).get(f.name, "") for prefix, cls, fs in hooks.sections()
+                  for f in fs}
+    assert set(documented) == expected
+    assert not [name for name, doc in documented.items() if not doc], "config fields without a docstring"
+    page = hooks.reference_markdown()
+    for name in expected:
+        assert f"| `{name}` | `--{name.replace('_', '-')}` |" in page
+
+
+def _build(docs_root: Path, site: Path) -> subprocess.CompletedProcess:
+    # no -q: mkdocs then logs errors only, and --strict counts no warnings (a broken link would pass)
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
+                           str(docs_root / "mkdocs.yml"), "-d", str(site)], cwd=docs_root, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_site_builds_strict(tmp_path):
+    p = _build(ROOT, tmp_path / "site")
+    assert p.returncode == 0, p.stdout + p.stderr
+    reference = (tmp_path / "site" / "config-reference" / "index.html").read_text()
+    assert "model.rope_scaling.factor" in reference and "--data.mix-root" in reference
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "load_hf" in api and "segment_ids" in api  # mkdocstrings rendered the docstrings
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    """The strict build is a real gate: an anchor that does not exist fails it."""
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    (copy / "src").symlink_to(ROOT / "src")
+    with open(copy / "docs" / "index.md", "a") as f:
+        f.write("\n[gone](data.md#no-such-section)\n")
+    p = _build(copy, tmp_path / "site")
+    assert p.returncode != 0 and "no-such-section" in p.stdout + p.stderr
