@@ -14,7 +14,7 @@ blocks are cached too), `hugetlb` (glibc with GLIBC_TUNABLES=glibc.malloc.hugetl
 `glibc-tuned-hugetlb` (both). The default is glibc, glibc-tuned and tcmalloc; a preloaded allocator that is not
 installed is left out with a note. Why
 it matters: XLA's CPU runtime mallocs each step's temporary buffer (GiBs) and frees it after the step, and glibc
-returns a block that large to the kernel, so every step faults it in again (README "Performance"). The `vs fastest
+returns a block that large to the kernel, so every step faults it in again (docs/performance.md). The `vs fastest
 torch` column compares with the fastest torch contender. The ceiling printed per config is the tokens/s at 100% MFU
 (the measured matmul peak over the FLOPs per token): no implementation can pass it without skipping work.
 

@@ -587,7 +587,7 @@ def _parse(out: str) -> dict:
 
 
 def test_cli_end_to_end(tmp_path):
-    """The README's commands: demo -> hf-to-orbax -> parity -> orbax-to-hf, then check every step's output."""
+    """The commands of docs/conversion.md: demo -> hf-to-orbax -> parity -> orbax-to-hf, then check every step's output."""
     hf_dir, ckpt, back = tmp_path / "demo", tmp_path / "demo-orbax", tmp_path / "demo-hf"
     assert "hf-to-orbax" in _run("demo", "--out", hf_dir)
     # Its built-in parity check is covered in-process (test_parity_threshold_refuses_to_write); skipping it

@@ -12,7 +12,7 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   a global layer's query block i sees key blocks 0..i, so the masked upper triangle is mostly never computed.
   Heads-major layout, so every matmul is a canonical batched matmul. It computes a fraction of the scores "xla"
   computes, so it is the faster one wherever the window is shorter than the sequence (bench/bench_attention.py
-  times both; README "Performance"). The same algorithm accelerators want.
+  times both; docs/performance.md). The same algorithm accelerators want.
 - "splash": Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the TPU flash kernel
   that skips every all-masked [block_q, block_kv] block: a sliding layer is a LocalMask (W - 1, 0), a global layer
   a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default

@@ -144,7 +144,7 @@ class ModelConfig:
     """Per-block rematerialisation: none (save every intermediate), full (save only the block input), dots (save
     matmul outputs, recompute the elementwise work between them), dots_no_batch (also recompute attention's
     batched matmuls). dots is the default because in a layer scan none stacks ~50 arrays per layer (measured by
-    bench/bench_step.py and bench/bench_memory.py; README "Performance")."""
+    bench/bench_step.py and bench/bench_memory.py; docs/performance.md)."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats: more than once,
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
@@ -200,7 +200,7 @@ class DataConfig:
     mix: str | None = None
     """Train on an OLMo-core data mix instead of paths: a mix shipped with olmo3eqx (OLMo-mix-0625-official,
     OLMo-midtraining-mix-0625-100B, OLMo-longmino-mix-0625) or a mix file of label,path lines; its files are read under mix_root, numbered
-    in mix order as OLMo-core numbers them (README "AI2's data mixes")."""
+    in mix order as OLMo-core numbers them (docs/data.md)."""
     mix_root: str | None = None
     """Directory holding the mixes' files (a local copy or mounted bucket of https://olmo-data.org)."""
     order: Literal["ours", "olmo-core"] = "ours"
@@ -234,7 +234,7 @@ class DataConfig:
     """Resume even when the token files differ from the ones the checkpoint was written with."""
     packing: bool = False
     """Pack whole documents into seq_len instances as OLMo-core's NumpyPackedFSLDataset does (stage 3): padding
-    masked out of the loss, attention kept within each document (README "Long context")."""
+    masked out of the loss, attention kept within each document (docs/stages.md)."""
     source_group_size: int = 1
     """With packing: files packed together as one group (OLMo-core's source_group_size; stage 3: 8)."""
     source_permutation_seed: int | None = None
@@ -289,7 +289,7 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "olmo3-stage1"] = "cosine"
     """cosine: warmup then one cosine to final_lr_ratio x lr at the last step; linear: warmup then linear to
     final_lr_ratio x lr; olmo3-stage1: the LR of AI2's stage-1 run at each step, whatever `steps` (warmup, the cosine
-    planned for 5T tokens, from step 597,046 the half-cosine stretched to 7T; README "Optimizer")."""
+    planned for 5T tokens, from step 597,046 the half-cosine stretched to 7T; docs/training.md)."""
     final_lr_ratio: float = 0.1
     """LR of the last step as a fraction of the peak (stage 2: 0)."""
     clip_grad_norm: float = 1.0
@@ -458,7 +458,7 @@ class RunConfig:
     """Run directory name: runs/<name>/ holds config, metrics, checkpoints; rerunning resumes it."""
     dir: str = "runs"
     """Parent of run directories: a local directory, or a bucket (gs://bucket/runs, s3://bucket/runs) that
-    config, metrics, checkpoints and the lease go to (README "Object stores")."""
+    config, metrics, checkpoints and the lease go to (docs/object-stores.md)."""
     seed: int = 0
     """Seeds the initialisation (and the data order when data.seed is unset)."""
 

@@ -1,4 +1,4 @@
-"""Exit codes of the commands (README "Exit codes"); `--until-done` decides from them whether to relaunch."""
+"""Exit codes of the commands (docs/training.md); `--until-done` decides from them whether to relaunch."""
 
 OK = 0
 PARITY_FAILED = 1

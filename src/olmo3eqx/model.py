@@ -34,7 +34,7 @@ MAX_UNROLLED_GROUPS = {"none": 2}
 """Per remat policy, a pattern that repeats at most this many times is unrolled even with scan_layers (1 for policies
 not listed: any repeat scans). Remat none stacks ~50 residuals per layer in a scan, which costs more than a scan
 over two periods saves; with dots only the matmul outputs are stacked and the scan pays from two periods on.
-bench/bench_compile.py and bench/bench_step.py measure both (README "Performance")."""
+bench/bench_compile.py and bench/bench_step.py measure both (docs/performance.md)."""
 
 REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -112,7 +112,7 @@ CONSTANT_TABLE_ELEMENTS = 1 << 20
 is a constant of the compiled program. Traced, XLA:CPU fuses cos and sin into every consumer and evaluates them once
 per element of each [batch, seq, heads, dim] fusion (51 sine ops in bench_step's tiny step, each table element
 computed batch x heads times per use); RoPE removed altogether ran that step 10-12% faster, the constant table
-6-12% (interleaved A/B, README "Performance"). Larger tables, and every TPU/GPU target, stay in the graph (a 65K
+6-12% (interleaved A/B, docs/performance.md). Larger tables, and every TPU/GPU target, stay in the graph (a 65K
 table would be 32 MiB of constants per array)."""
 
 

@@ -1,6 +1,6 @@
 """AdamW with float32 moments, the OLMo 3 learning-rate schedules, the decay mask and the spike guard.
 
-Step convention (README "Checkpoints and exact resume"): step `s` is 1-based and applies update `s`. `lr_schedule(cfg, T)(s)` is the
+Step convention (docs/checkpoints.md): step `s` is 1-based and applies update `s`. `lr_schedule(cfg, T)(s)` is the
 learning rate of step `s`, the value the trainer logs as `train/lr` at step `s`, and the optimizer is
 handed that same step (`opt.update(grads, state, params, step=s)`), so the applied and the logged LR are
 one function of one number. The LR deliberately does not come from a counter inside the optimizer state:

@@ -1,7 +1,7 @@
 """The training loop and the dry run, from the same Layout: config -> layout -> state (fresh, resumed or
 initialised from a checkpoint) -> steps.
 
-Step numbering (README "Checkpoints and exact resume"): step s (1-based) applies update s using global batch s-1
+Step numbering (docs/checkpoints.md): step s (1-based) applies update s using global batch s-1
 and logs its loss as `step: s`; `checkpoints/N/` holds the state after N updates and a data state that consumed
 N batches. Only the standard library is imported at module level, so `--until-done` and the host-allocator
 re-exec start without JAX.

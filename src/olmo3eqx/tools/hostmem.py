@@ -15,7 +15,7 @@ temporary buffer:
 - tcmalloc (`apt install libtcmalloc-minimal4`), preloaded: keeps freed spans and hands the same pages to the next
   step.
 
-Numbers and commands: README "Performance" (bench/bench_step.py --malloc). The allocator of a process is fixed when
+Numbers and commands: docs/performance.md (bench/bench_step.py --malloc). The allocator of a process is fixed when
 it starts, hence the re-exec (same PID, same arguments, LD_PRELOAD or GLIBC_TUNABLES added). It happens only where
 it helps: Linux, no accelerator (there the step's buffers live on the device), no caching malloc loaded already,
 and not OLMO3EQX_MALLOC=system. OLMO3EQX_MALLOC=glibc picks the tuned glibc even where tcmalloc is installed;
