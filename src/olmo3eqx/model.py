@@ -194,18 +194,27 @@ class Attention(eqx.Module):
             k_norm=RMSNorm.init(kv_width, cfg),
         )
 
-    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
-                 segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
+    def project(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, table: RopeTable
+                ) -> tuple[Float[Array, "*batch seq heads dim"], Float[Array, "*batch seq kv_heads dim"],
+                           Float[Array, "*batch seq kv_heads dim"]]:
+        """q, k, v with QK-norm and RoPE applied: what attention (and a KV cache, olmo3eqx.decode) takes."""
         lead = x.shape[:-1]
         # QK-norm over the full projections, before splitting heads and before RoPE.
         q = self.q_norm(self.q_proj(x)).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_norm(self.k_proj(x)).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = rope(q, table), rope(k, table)
+        return rope(q, table), rope(k, table), v
+
+    def output(self, out: Float[Array, "*batch seq heads dim"], cfg: ModelConfig) -> Float[Array, "*batch seq hidden"]:
+        return self.o_proj(out.reshape(*out.shape[:-2], cfg.num_attention_heads * cfg.head_dim))
+
+    def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
+                 segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
+        q, k, v = self.project(x, cfg, table)
         # A causal window of W keys including the query itself: i-(W-1) <= j <= i.
         out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
                         block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv, segment_ids=segment_ids)
-        return self.o_proj(out.reshape(*lead, cfg.num_attention_heads * cfg.head_dim))
+        return self.output(out, cfg)
 
 
 class MLP(eqx.Module):

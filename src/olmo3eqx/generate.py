@@ -1,0 +1,327 @@
+"""Text generation from any checkpoint: `python -m olmo3eqx.generate --ckpt runs/tiny "def fib(n):"` (also the
+`olmo3eqx-generate` console script). The device side (KV cache, prefill, decode steps, sampling) is olmo3eqx.decode;
+this module is the host side: tokenizers both ways, prompts batched and left-padded, the decode loop with EOS, stop
+strings and a length limit, streaming, and the command.
+
+    olmo3eqx-generate --ckpt runs/tiny "def fib(n):"                       # streams the completion
+    olmo3eqx-generate --ckpt runs/tiny --temperature 0.8 --top-p 0.95 --seed 1 "import os"
+    olmo3eqx-generate --ckpt ckpt/olmo3-7b --file prompts.jsonl --out completions.jsonl
+
+`--ckpt` takes what olmo3eqx-eval takes (a run, one of its steps, convert.py's output, an HF Olmo3 directory); the
+tokenizer is `--tokenizer`, else an HF directory's tokenizer.json, else the run's eval.tokenizer; a converted
+checkpoint without one needs `--tokenizer`. `--file` reads JSONL lines ({"prompt": ...}, or a JSON string) and
+writes one {"prompt", "completion", "finish", "tokens"} line per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import tyro
+
+from olmo3eqx import exits
+
+MIN_BUCKET = 16
+"""Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
+
+
+class GenerationError(ValueError):
+    """Bad input to generation (an empty prompt, an id outside the vocabulary, too long, no tokenizer)."""
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """A tokenizer both ways: 'bytes' (byte b is id b, EOS 256) or a tokenizer.json."""
+
+    spec: str
+
+    def encode(self, text: str) -> list[int]:
+        from olmo3eqx.data.prepare import encode_texts
+
+        return [int(i) for i in encode_texts([text.encode("utf-8")], self.spec)[0]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        from olmo3eqx.data.prepare import BYTES
+
+        if self.spec == BYTES:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return _hf_tokenizer(self.spec).decode(list(ids), skip_special_tokens=False)
+
+    def vocab_size(self) -> int:
+        from olmo3eqx.data.prepare import tokenizer_info
+
+        return tokenizer_info(self.spec)["vocab_size"]
+
+
+_HF = {}
+
+
+def _hf_tokenizer(spec: str):
+    if spec not in _HF:
+        from tokenizers import Tokenizer
+
+        _HF[spec] = Tokenizer.from_file(str(Path(spec).expanduser()))
+    return _HF[spec]
+
+
+@dataclass
+class Completion:
+    """One prompt's generation: the new token ids (without the EOS that ended it), their text (cut before a stop
+    string), and why it ended: 'eos', 'stop' (a stop string) or 'length' (max_new_tokens)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: str = "length"
+
+
+def bucket(n: int) -> int:
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_positions: int, max_new_tokens: int
+                  ) -> None:
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise GenerationError(f"Prompt {i} is empty; give at least one token (a BOS-less model needs some text "
+                                  f"to continue).")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"Prompt {i} holds token id {bad[0]}, outside the model's vocabulary "
+                                  f"[0, {vocab_size}); use the tokenizer the model was trained with.")
+        if len(p) + max_new_tokens > max_positions:
+            raise GenerationError(f"Prompt {i} has {len(p)} tokens; with max_new_tokens {max_new_tokens} that is "
+                                  f"more than the model's {max_positions} positions (model.max_position_embeddings): "
+                                  f"shorten the prompt or generate fewer tokens.")
+
+
+def _stop_at(text: str, stop: Sequence[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(found) if found else None
+
+
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampler=None, seed: int = 0,
+             eos_id: int | None = None, stop: Sequence[str] = (), decode: Callable[[Sequence[int]], str] | None = None,
+             chunk: int = 16, on_text: Callable[[int, str], None] | None = None, mesh=None) -> list[Completion]:
+    """Complete each prompt (token ids) with up to max_new_tokens tokens, all prompts in one batch.
+
+    Stops a row at `eos_id` (default: the model's), at the first of `stop` in its text (needs `decode`, ids ->
+    text), or after max_new_tokens. `chunk` decode steps run per device program (1 streams token by token).
+    `on_text(row, new_text)` receives each row's text as it grows (held back while it could still begin a stop
+    string or ends in a partial UTF-8 character). With `mesh`, prompts are split over its data axes when the batch divides (the model as placed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo3eqx import decode as dec
+
+    cfg = model.cfg
+    sampler = sampler or dec.Sampler()
+    eos_id = cfg.eos_token_id if eos_id is None else eos_id
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    if stop and decode is None:
+        raise GenerationError("Stop strings need a decode function (ids -> text).")
+    check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+    batch = len(prompts)
+    width = min(bucket(max(len(p) for p in prompts)), cfg.max_position_embeddings - max_new_tokens)
+    steps = -(-max_new_tokens // chunk) * chunk
+    max_len = width + steps
+    tokens = np.full((batch, width), eos_id, np.int32)
+    pad = np.zeros(batch, np.int32)
+    for i, p in enumerate(prompts):
+        pad[i] = width - len(p)
+        tokens[i, pad[i]:] = p
+    tokens, pad = jnp.asarray(tokens), jnp.asarray(pad)
+    if mesh is not None:
+        from olmo3eqx.sharding import batch_sharding, data_parallel_size
+
+        if batch % data_parallel_size(mesh) == 0:
+            tokens = jax.device_put(tokens, batch_sharding(mesh, 2))
+            pad = jax.device_put(pad, batch_sharding(mesh, 1))
+    logits, cache = dec.prefill(model, tokens, pad, max_len)
+    last = dec.first_token(logits, jnp.asarray(seed, jnp.uint32), jnp.asarray(width, jnp.int32), sampler)
+    done = last == eos_id
+    out = [Completion() for _ in range(batch)]
+    shown = [0] * batch
+    hold = max((len(s) for s in stop), default=1) - 1
+    generated = np.asarray(last)[None, :]
+    while True:
+        host_done = np.zeros(batch, bool)
+        for row in range(batch):
+            c = out[row]
+            if c.finish != "length" or len(c.tokens) >= max_new_tokens:
+                host_done[row] = True
+                continue
+            for t in generated[:, row]:
+                if t == eos_id:
+                    c.finish = "eos"
+                    break
+                c.tokens.append(int(t))
+                if len(c.tokens) >= max_new_tokens:
+                    break
+            if decode is not None:
+                c.text = decode(c.tokens)
+                cut = _stop_at(c.text, stop)
+                if cut is not None:
+                    c.text, c.finish = c.text[:cut], "stop"
+            if on_text is not None:
+                final = c.finish != "length" or len(c.tokens) >= max_new_tokens
+                upto = len(c.text) if final else max(shown[row], len(c.text) - hold)
+                while not final and upto > shown[row] and c.text[upto - 1] == "\ufffd":
+                    upto -= 1  # the start of a character whose other bytes are still to come
+                if upto > shown[row]:
+                    on_text(row, c.text[shown[row]:upto])
+                    shown[row] = upto
+            host_done[row] = c.finish != "length" or len(c.tokens) >= max_new_tokens
+        if host_done.all():
+            break
+        done = done | jnp.asarray(host_done)
+        generated, cache, last, done = dec.decode_chunk(model, cache, last, done, jnp.asarray(seed, jnp.uint32),
+                                                        max_len, chunk, sampler, eos_id)
+        generated = np.asarray(generated)
+    return out
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    """Generate text from a checkpoint."""
+
+    prompts: Annotated[tuple[str, ...], tyro.conf.Positional] = ()
+    """Prompts to complete; or --file."""
+    ckpt: str = "runs/tiny"
+    """A run directory (its newest step), a step, convert.py's output, or an HF Olmo3 directory."""
+    tokenizer: str | None = None
+    """'bytes' or a tokenizer.json; unset: an HF directory's tokenizer.json, else the run's eval.tokenizer."""
+    file: str | None = None
+    """JSONL of prompts: {"prompt": ...} objects or JSON strings, one per line."""
+    out: str | None = None
+    """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here (default:
+    stdout)."""
+    max_new_tokens: int = 128
+    """Most tokens to generate per prompt."""
+    temperature: float = 0.0
+    """0: greedy; otherwise sample from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
+    top_p: float = 1.0
+    """Sample among the smallest set of tokens whose probability reaches top_p (1.0: all)."""
+    seed: int = 0
+    """Sampling seed: the same seed, prompts and checkpoint give the same text."""
+    stop: tuple[str, ...] = ()
+    """Stop a completion at the first of these strings (not included)."""
+    batch_size: int = 16
+    """Prompts generated together (--file)."""
+    dtype: str | None = None
+    """Compute dtype (float32, bfloat16); unset: the checkpoint's."""
+
+
+def resolve_tokenizer(args_tokenizer: str | None, hf_tokenizer: str | None, stored: dict | None, ckpt: str) -> str:
+    if args_tokenizer:
+        return args_tokenizer
+    if hf_tokenizer:
+        return hf_tokenizer
+    run_eval = (stored or {}).get("eval") or {}
+    if run_eval.get("tokenizer"):
+        return run_eval["tokenizer"]
+    raise GenerationError(f"The checkpoint {ckpt} names no tokenizer (a converted checkpoint keeps only the model); "
+                          f"pass --tokenizer bytes or --tokenizer path/to/tokenizer.json.")
+
+
+def read_prompt_file(path: str) -> list[str]:
+    from olmo3eqx import storage
+
+    prompts = []
+    for i, line in enumerate(storage.read_text(path).splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise GenerationError(f"Line {i + 1} of {path} is not JSON; write one {{\"prompt\": ...}} object or "
+                                  f"JSON string per line.") from None
+        text = rec.get("prompt") if isinstance(rec, dict) else rec
+        if not isinstance(text, str):
+            raise GenerationError(f"Line {i + 1} of {path} has no \"prompt\" string.")
+        prompts.append(text)
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
+    from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
+    from olmo3eqx.hf import ConversionError
+
+    try:
+        return run(args)
+    except (GenerationError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.STORAGE
+
+
+def run(args: Args) -> int:
+    from olmo3eqx import decode as dec
+    from olmo3eqx.hf.parity import with_dtype
+    from olmo3eqx.tools.evaluate import load_any
+
+    prompts = list(args.prompts)
+    if args.file:
+        prompts += read_prompt_file(args.file)
+    if not prompts:
+        raise GenerationError("No prompt given: pass prompts as arguments or --file prompts.jsonl.")
+    try:
+        sampler = dec.Sampler(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise GenerationError(str(e)) from None
+    model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt)
+    if args.dtype:
+        model = with_dtype(model, args.dtype)
+    codec = TextCodec(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
+    if codec.vocab_size() > cfg.vocab_size:
+        print(f"warning: the tokenizer {codec.spec} has {codec.vocab_size()} ids, the model {cfg.vocab_size}; an id "
+              f"beyond the model's stops generation with an error.", file=sys.stderr)
+    ids = [codec.encode(p) for p in prompts]
+    stream = len(prompts) == 1 and not args.file and args.out is None
+    if stream:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+        t0 = time.perf_counter()
+        [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
+                       stop=args.stop, decode=codec.decode, chunk=1,
+                       on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
+        dt = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        print(f"[{len(c.tokens)} tokens in {dt:.1f} s, ended by {c.finish}; step {step} of {args.ckpt}]",
+              file=sys.stderr)
+        return exits.OK
+    sink = open(args.out, "w") if args.out else sys.stdout
+    try:
+        for start in range(0, len(ids), args.batch_size):
+            batch = ids[start:start + args.batch_size]
+            done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
+                            stop=args.stop, decode=codec.decode)
+            for p, c in zip(prompts[start:start + len(batch)], done):
+                sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
+                                       "tokens": len(c.tokens)}) + "\n")
+            sink.flush()
+            print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return exits.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
