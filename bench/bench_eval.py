@@ -14,6 +14,10 @@ OLMo 1's; OLMo 3's dolma2 tokenizer is not available offline, and counts tokens 
 8192 as in stage 1. Forward FLOPs per row are flops.py's (train FLOPs / 3 at the row's padded length, window-aware
 attention), summed over the rows as the evaluator pads them (power-of-two buckets); the time assumes `--mfu` of
 the accelerator's dense bf16 peak `--peak-tflops` (default: H100/H200, 989 TFLOP/s).
+GSM8K (generative): `--gsm8k-limit` questions generated on this CPU (the tiny model's width with the CPU BPE
+tokenizer and room for the 8-shot contexts and 512 new tokens, random weights, so completions run long), seconds per
+question; and for the 7B a cost model per question on one accelerator (prefill FLOPs at `--mfu`, each decode step the
+longer of reading the bf16 weights and the batch's KV cache at `--hbm-tbps` and its FLOPs at `--mfu`).
 Prints tables and writes bench/results/eval.json.
 """
 
@@ -131,6 +135,64 @@ def seven_b_part(peak: float, mfu: float) -> list[dict]:
     return out
 
 
+def gsm8k_cpu_part(limit: int, batch: int) -> dict:
+    """GSM8K generated on this CPU: the tiny model's width (random weights) with the CPU BPE tokenizer and room for
+    AI2's 8-shot contexts and 512 new tokens; seconds per question once compiled."""
+    from olmo3eqx import gen_tasks
+
+    cfg = load_yaml(str(ROOT / "configs" / "tiny.yaml"))
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=TINY_VOCAB, eos_token_id=0, pad_token_id=1,
+                                    max_position_embeddings=4096)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        train_bpe(path, olmo_tasks.SEED_EIGHT)
+        tokenizer = Tokenizer.load(str(path))
+        task = gen_tasks.gsm8k(limit)
+        model = init_model(model_cfg, jax.random.key(0))
+        generator = gen_tasks.model_generator(model, tokenizer, max_len=model_cfg.max_position_embeddings)
+        t = time.perf_counter()
+        gen_tasks.run_task(task, generator, batch)  # compiles
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        metrics, completions = gen_tasks.run_task(task, generator, batch)
+        seconds = time.perf_counter() - t
+        prompt_tokens = [len(x) for x in tokenizer.encode([r.context for r in task.requests])]
+        new_tokens = [len(x) for x in tokenizer.encode(completions)]
+    out = {"questions": len(task.requests), "batch": batch, "prompt_tokens_mean": round(float(np.mean(prompt_tokens))),
+           "completion_tokens_mean": round(float(np.mean(new_tokens))), "first_pass_s": round(first, 1),
+           "seconds": round(seconds, 2), "seconds_per_question": round(seconds / len(task.requests), 3),
+           "exact_match": metrics["exact_match"]}
+    print(f"  gsm8k on CPU: {out}", flush=True)
+    return out
+
+
+def gsm8k_7b_part(peak: float, mfu: float, hbm: float, batch: int) -> dict:
+    """GSM8K for the 7B on one accelerator, from a model of the cost: each question's prompt (OLMo tokenizer) as a
+    prefill at `mfu` of the bf16 peak, then 512 decode steps per batch of `batch` questions, each step at least the
+    time to read the bf16 weights and the batch's KV cache from HBM (`hbm` bytes/s) or its FLOPs at `mfu`."""
+    from olmo3eqx import decode as dec, gen_tasks
+
+    cfg = load_yaml(str(ROOT / "configs" / "olmo3-7b-stage1.yaml")).model
+    cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")
+    tokenizer = Tokenizer.load(str(olmo_tasks.package_dir() / OLMO_TOKENIZER))
+    task = gen_tasks.gsm8k()
+    prompts = [len(x) for x in tokenizer.encode([r.context for r in task.requests])]
+    new = max(r.max_new_tokens for r in task.requests)
+    params = flops.param_count(cfg)
+    prefill = sum(flops.train_flops_per_token(cfg, n) / 3 * n for n in prompts) / (peak * mfu)
+    mean_len = int(np.mean(prompts)) + new // 2
+    step_bytes = 2 * params + dec.cache_bytes(cfg, batch, mean_len)
+    step_flops = batch * flops.train_flops_per_token(cfg, mean_len) / 3
+    step = max(step_bytes / hbm, step_flops / (peak * mfu))
+    decode = -(-len(prompts) // batch) * new * step
+    out = {"questions": len(prompts), "prompt_tokens_mean": round(float(np.mean(prompts))), "new_tokens": new,
+           "batch": batch, "prefill_s": round(prefill, 1), "decode_step_ms": round(step * 1e3, 2),
+           "decode_s": round(decode, 1), "seconds": round(prefill + decode, 1),
+           "seconds_per_question": round((prefill + decode) / len(prompts), 4)}
+    print(f"  gsm8k for the 7B (cost model): {out}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=40, help="documents per task in the CPU part")
@@ -138,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="accelerator dense bf16 peak (H100/H200: 989)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed fraction of peak the 7B forward reaches")
     p.add_argument("--skip-7b", action="store_true", help="only the CPU part")
+    p.add_argument("--gsm8k-limit", type=int, default=16, help="GSM8K questions generated on this CPU (0: skip)")
+    p.add_argument("--hbm-tbps", type=float, default=3.35, help="accelerator memory bandwidth (H100 SXM: 3.35 TB/s)")
+    p.add_argument("--gen-batch", type=int, default=64, help="GSM8K questions decoded together on the accelerator")
     p.add_argument("--json", default="eval.json", help="results file (bench/results/ unless a path is given)")
     args = p.parse_args(argv)
     print(f"machine: {common.machine()}")
@@ -154,7 +219,21 @@ def main(argv: list[str] | None = None) -> int:
                                  ("tokens", "tokens"), ("padded_tokens", "padded tokens"), ("pflop", "forward PFLOP"),
                                  ("seconds_at_mfu", f"s on one {args.peak_tflops:g}-TFLOP/s device at "
                                                     f"{args.mfu:.0%} MFU")]))
+    gsm8k = {}
+    if args.gsm8k_limit:
+        gsm8k["cpu"] = gsm8k_cpu_part(args.gsm8k_limit, args.batch)
+        print(f"gsm8k, tiny-width model, this CPU: {gsm8k['cpu']['questions']} questions (prompts of "
+              f"{gsm8k['cpu']['prompt_tokens_mean']} tokens, completions of {gsm8k['cpu']['completion_tokens_mean']}) "
+              f"in {gsm8k['cpu']['seconds']} s = {gsm8k['cpu']['seconds_per_question']} s per question, batch "
+              f"{args.batch}")
+    if not args.skip_7b:
+        gsm8k["seven_b"] = g = gsm8k_7b_part(args.peak_tflops * 1e12, args.mfu, args.hbm_tbps * 1e12, args.gen_batch)
+        print(f"gsm8k, the 7B on one {args.peak_tflops:g}-TFLOP/s, {args.hbm_tbps:g}-TB/s device (a cost model, not a "
+              f"measurement): prefill {g['prefill_s']} s + decode {g['decode_s']} s ({g['decode_step_ms']} ms per step "
+              f"of {g['batch']} questions) = {g['seconds']} s for {g['questions']} questions, "
+              f"{g['seconds_per_question']} s each")
     path = common.write_json(args.json, {"cpu": cpu, "cpu_requests_per_s": requests / seconds, "seven_b": big,
+                                         "gsm8k": gsm8k,
                                          "limit": args.limit, "batch": args.batch, "peak_tflops": args.peak_tflops,
                                          "mfu": args.mfu})
     print(f"wrote {path}")

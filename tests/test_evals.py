@@ -297,7 +297,7 @@ optim: {lr: 3.0e-3, warmup_steps: 1}
 mesh: {max_per_device_batch: 8}
 checkpoint: {every: 1, async_save: false}
 eval: {every: 2, batches: 1, heldout: ["c4_en=DIR/c4.npy", "wiki=DIR/wiki.npy"], heldout_instances: document,
-       tasks: ["FIXTURE"]}
+       tasks: ["FIXTURE"], samples: ["def ", "x = "], sample_tokens: 6}
 log: {every: 1, progress: false, tensorboard: false}
 """
 
@@ -320,6 +320,17 @@ def test_training_loop_logs_every_named_set_and_task_and_every_checkpoint_is_sco
     for key in ("eval/c4_en/ppl", "eval/wiki/loss", *(f"eval/downstream/tiny_mc/{m}" for m in METRICS)):
         assert math.isfinite(ev[key]) and math.isfinite(start[key]), key
     assert "eval step 2: c4_en loss" in p.stderr and "tiny_mc acc" in p.stderr
+
+    # eval.samples: text lines at each evaluation, the last printed at the end; step 2's is the checkpoint's
+    samples = [r for r in read_metrics(tmp_path / "ev") if "samples/0" in r]
+    assert [r["step"] for r in samples] == [0, 2]
+    assert samples[1]["samples/0"].startswith("def ") and samples[1]["samples/1"].startswith("x = ")
+    assert f"sample at step 2:\n{samples[1]['samples/0']}" in p.stderr
+    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.evaluator import Samples
+
+    assert Samples(("def ", "x = "), "bytes", 6, 0.0)(load_model(tmp_path / "ev")[0]) == \
+        [samples[1]["samples/0"], samples[1]["samples/1"]]
 
     # Every kept checkpoint scored after the fact: steps 1 and 2, then nothing left to score. Step 2's task
     # metrics are the loop's (same weights; 8 devices here, 2 there), held-out too on the loop's instances.
@@ -400,3 +411,64 @@ def test_lm_eval_harness_runs_offline_on_our_checkpoint(tiny, tmp_path, monkeypa
 
 def lm_eval_rolling(lm, text, Instance):
     return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+
+
+HARNESS_GEN_TASK = """
+task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: FIXTURE
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: ["\\n\\n", "Question:"]
+  max_gen_toks: 12
+  do_sample: false
+filter_list:
+  - name: strict-match
+    filter:
+      - function: regex
+        regex_pattern: "So the answer is (\\\\-?[0-9\\\\.\\\\,]+)."
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    ignore_case: true
+    regexes_to_ignore: [",", "\\\\$", "(?s).*#### ", "\\\\.$"]
+"""
+
+
+def test_lm_eval_harness_generate_until_equals_transformers(tiny, tmp_path, monkeypatch):
+    """A generate_until task of the harness, offline on our checkpoint: every completion is transformers' greedy
+    generation of the same prompt, cut before the first stop sequence, and the harness scores it."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from olmo3eqx.tools.lm_eval_adapter import OLMo3EqxLM
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    path, ref, *_ = tiny
+    data = tmp_path / "gen.jsonl"
+    docs = [{"question": q, "answer": a} for q, a in [("2 + 2?", "4"), ("def f(x): return", "1"), ("3 * 3?", "9")]]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_gen.yaml").write_text(HARNESS_GEN_TASK.replace("FIXTURE", str(data)))
+    lm = OLMo3EqxLM(ckpt=str(path), tokenizer="bytes", max_length=MAX_LEN, batch_size=1)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_gen"], task_manager=TaskManager(
+        include_path=str(tmp_path / "tasks"), include_defaults=False), log_samples=True)
+    assert results["results"]["tiny_gen"]["exact_match,strict-match"] == 0.0  # a random model answers nothing
+    samples = results["samples"]["tiny_gen"]
+    assert len(samples) == 3
+    for sample in samples:
+        prompt = f"Question: {sample['doc']['question']}\nAnswer:"
+        ids = torch.tensor([list(prompt.encode())])
+        with torch.no_grad():
+            out = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                               eos_token_id=256, pad_token_id=257, temperature=None, top_p=None, top_k=None)
+        text = bytes(t for t in out[0, ids.shape[1]:].tolist() if t < 256).decode("utf-8", errors="replace")
+        for stop in ("\n\n", "Question:"):
+            text = text.split(stop)[0]
+        assert sample["resps"][0][0] == text

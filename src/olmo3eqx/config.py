@@ -388,10 +388,19 @@ class EvalConfig:
     memorisation_gap: float = 0.1
     """Warn when train loss sits this far below the first held-out set's loss (averaged over the last
     evaluations)."""
+    samples: tuple[str, ...] = ()
+    """Prompts the model completes at each evaluation (eval.tokenizer's text), logged as text: samples/<i> in
+    metrics.jsonl and TensorBoard; the first prompt's last completion is printed when the run ends."""
+    sample_tokens: int = 64
+    """New tokens per sample."""
+    sample_temperature: float = 0.0
+    """0: greedy samples; otherwise sampled at this temperature with a fixed seed (the same text at the same
+    weights)."""
 
     def __post_init__(self):
         check_choices(self, "eval")
-        check_signs(self, "eval", non_negative=("every", "batches", "task_limit"))
+        check_signs(self, "eval", non_negative=("every", "batches", "task_limit", "sample_temperature"),
+                    positive=("sample_tokens",))
         check_paths(self.heldout, "eval.heldout")
         check_paths([t for t in self.tasks if "/" in t], "eval.tasks")
 

@@ -10,8 +10,8 @@ The cache keeps, per layer, the keys and values after QK-norm and RoPE:
 - sliding layers: a ring of R = min(sliding_window, max_len) slots, column c in slot c % R, so their memory does not
   grow with the length. At column t, slot s holds column t - ((t - s) mod R): exactly the window's W keys
   i - W + 1 <= j <= i (attention.py's semantics) once t >= W - 1.
-Caches are stacked like the blocks: per position in the layer period, [groups, batch, length, kv_heads, head_dim],
-and the layers run as a `lax.scan` over the groups, as in training.
+Prefill runs the layers as a `lax.scan` over the groups of the layer period, as training does; decoding runs them
+unrolled over a per-layer copy of the weights (DecodeModel), one cache array per layer updated in place.
 
 Prefill is the training forward over the padded prompts with segment ids (padding 0, the prompt 1): the same
 attention backends (attention.py), so the same numbers; the decode step attends one query per row to the cache in
@@ -57,27 +57,46 @@ class Sampler:
 
 
 class Cache(eqx.Module):
-    """The KV cache of a batch (see the module doc). k[j], v[j]: position j of the layer period, all its groups."""
+    """The KV cache of a batch (see the module doc): k[i], v[i] of layer i."""
 
-    k: tuple[Float[Array, "groups batch _length kv_heads dim"], ...]
-    v: tuple[Float[Array, "groups batch _length kv_heads dim"], ...]
+    k: tuple[Float[Array, "batch _length kv_heads dim"], ...]
+    v: tuple[Float[Array, "batch _length kv_heads dim"], ...]
     pad: Int[Array, " batch"]
     length: Int[Array, ""]
     """Columns written: the next token's column."""
 
 
 def cache_lengths(cfg: ModelConfig, max_len: int) -> tuple[int, ...]:
-    """Cache length per position of the layer period: the ring of a sliding layer, max_len for a full one."""
-    period = layer_period(cfg.resolved_layer_types)
+    """Cache length per layer: the ring of a sliding layer, max_len for a full one."""
     return tuple(min(cfg.sliding_window, max_len) if kind == SLIDING else max_len
-                 for kind in cfg.resolved_layer_types[:period])
+                 for kind in cfg.resolved_layer_types)
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
     """Bytes of the cache for `batch` rows of `max_len` columns, in the compute dtype."""
-    groups = cfg.num_hidden_layers // layer_period(cfg.resolved_layer_types)
     per_column = 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(DTYPE[cfg.compute_dtype]).itemsize
-    return groups * batch * per_column * sum(cache_lengths(cfg, max_len))
+    return batch * per_column * sum(cache_lengths(cfg, max_len))
+
+
+class DecodeModel(eqx.Module):
+    """The model as the decode step reads it: in the compute dtype, one Block per layer. A step reads every weight
+    once; sliced out of the stacked blocks inside the step, each layer's weights were copied first (XLA:CPU does not
+    fuse a slice into a matmul), which doubled a step's time (bench/bench_generate.py). Costs one copy of the
+    weights while generating."""
+
+    embed: Float[Array, "vocab hidden"]
+    blocks: tuple[Block, ...]
+    norm: eqx.Module
+    lm_head: Float[Array, "hidden vocab"]
+    cfg: ModelConfig = eqx.field(static=True)
+
+
+@eqx.filter_jit
+def decode_model(model: OLMo3) -> DecodeModel:
+    cfg = model.cfg
+    model = cast_floating(model, DTYPE[cfg.compute_dtype])
+    blocks = tuple(jax.tree.map(lambda a, i=i: a[i], model.blocks) for i in range(cfg.num_hidden_layers))
+    return DecodeModel(model.embed, blocks, model.norm, model.lm_head.weight, cfg)
 
 
 def _groups(model: OLMo3) -> tuple[int, int, Block]:
@@ -111,7 +130,7 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
     tables = {kind: table.at(positions) for kind, table in rope_tables(seq, cfg).items()}
     kinds = cfg.resolved_layer_types
     period, groups, stacked = _groups(model)
-    lengths = cache_lengths(cfg, max_len)
+    lengths = cache_lengths(cfg, max_len)[:period]
 
     def run_group(x, group):
         ks, vs = [], []
@@ -128,10 +147,11 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
         return x, (tuple(ks), tuple(vs))
 
     x = model.embed[tokens]
-    x, (ks, vs) = jax.lax.scan(run_group, x, stacked)
+    x, (ks, vs) = jax.lax.scan(run_group, x, stacked)  # [groups, ...] per position in the period
     h = model.norm(x[:, -1])
     logits = jnp.matmul(h, model.lm_head.weight, preferred_element_type=jnp.float32)
-    return logits, Cache(ks, vs, pad.astype(jnp.int32), jnp.asarray(seq, jnp.int32))
+    per_layer = lambda c: tuple(c[i % period][i // period] for i in range(cfg.num_hidden_layers))  # noqa: E731
+    return logits, Cache(per_layer(ks), per_layer(vs), pad.astype(jnp.int32), jnp.asarray(seq, jnp.int32))
 
 
 def _attend(q: Float[Array, "batch heads dim"], k: Float[Array, "batch length kv_heads dim"],
@@ -156,41 +176,31 @@ def _valid(cache_len: int, t: Int[Array, ""], pad: Int[Array, " batch"], ring: b
 
 
 @eqx.filter_jit
-def decode_step(model: OLMo3, cache: Cache, tokens: Int[Array, " batch"], tables: dict[str, RopeTable]
+def decode_step(model: DecodeModel, cache: Cache, tokens: Int[Array, " batch"], tables: dict[str, RopeTable]
                 ) -> tuple[Float[Array, "batch vocab"], Cache]:
     """Feed one token per row at column cache.length; return the float32 logits for the next column and the cache
-    with this column written. `tables`: rope_tables(max_len, cfg) (decode_tables)."""
+    with this column written. `model`: decode_model(...); `tables`: decode_tables(cfg, max_len)."""
     cfg = model.cfg
-    model = cast_floating(model, DTYPE[cfg.compute_dtype])
     t = cache.length
     positions = (t - cache.pad)[:, None]  # [batch, 1]: each row's position within its prompt + generation
     row_tables = {kind: table.at(positions) for kind, table in tables.items()}
-    kinds = cfg.resolved_layer_types
-    period, groups, stacked = _groups(model)
-
-    def run_group(x, xs):
-        group, ks, vs = xs
-        new_k, new_v = [], []
-        for j in range(period):
-            blk = jax.tree.map(lambda a: a[j], group)
-            q, k, v = blk.attn.project(x, cfg, row_tables[kinds[j]])  # [batch, 1, heads, dim]
-            length = ks[j].shape[1]
-            ring = kinds[j] == SLIDING
-            slot = jnp.mod(t, length) if ring else t
-            kc = jax.lax.dynamic_update_slice_in_dim(ks[j], k.astype(ks[j].dtype), slot, axis=1)
-            vc = jax.lax.dynamic_update_slice_in_dim(vs[j], v.astype(vs[j].dtype), slot, axis=1)
-            out = _attend(q[:, 0], kc, vc, _valid(length, t, cache.pad, ring))
-            h = x + blk.post_attention_norm(blk.attn.output(out[:, None], cfg))
-            x = h + blk.post_feedforward_norm(blk.mlp(h))
-            new_k.append(kc)
-            new_v.append(vc)
-        return x, (tuple(new_k), tuple(new_v))
-
     x = model.embed[tokens][:, None]
-    x, (ks, vs) = jax.lax.scan(run_group, x, (stacked, cache.k, cache.v))
+    new_k, new_v = [], []
+    for i, (blk, kind) in enumerate(zip(model.blocks, cfg.resolved_layer_types)):
+        q, k, v = blk.attn.project(x, cfg, row_tables[kind])  # [batch, 1, heads, dim]
+        length = cache.k[i].shape[1]
+        ring = kind == SLIDING
+        slot = jnp.mod(t, length) if ring else t
+        kc = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k.astype(cache.k[i].dtype), slot, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v.astype(cache.v[i].dtype), slot, axis=1)
+        out = _attend(q[:, 0], kc, vc, _valid(length, t, cache.pad, ring))
+        h = x + blk.post_attention_norm(blk.attn.output(out[:, None], cfg))
+        x = h + blk.post_feedforward_norm(blk.mlp(h))
+        new_k.append(kc)
+        new_v.append(vc)
     h = model.norm(x[:, 0])
-    logits = jnp.matmul(h, model.lm_head.weight, preferred_element_type=jnp.float32)
-    return logits, Cache(ks, vs, cache.pad, t + 1)
+    logits = jnp.matmul(h, model.lm_head, preferred_element_type=jnp.float32)
+    return logits, Cache(tuple(new_k), tuple(new_v), cache.pad, t + 1)
 
 
 def decode_tables(cfg: ModelConfig, max_len: int) -> dict[str, RopeTable]:
@@ -218,7 +228,7 @@ def sample_logits(logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sample
 
 
 @eqx.filter_jit(donate="all-except-first")
-def decode_chunk(model: OLMo3, cache: Cache, tokens: Int[Array, " batch"], done: Bool[Array, " batch"],
+def decode_chunk(model: DecodeModel, cache: Cache, tokens: Int[Array, " batch"], done: Bool[Array, " batch"],
                  seed: UInt[Array, ""], max_len: int, steps: int, sampler: Sampler, eos_id: int
                  ) -> tuple[Int[Array, "steps batch"], Cache, Int[Array, " batch"], Bool[Array, " batch"]]:
     """`steps` decode steps in one program: feed `tokens`, sample the next ones (the token of column c drawn with

@@ -22,6 +22,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, ModelConfig
 from olmo3eqx.data.heldout import open_heldout
+from olmo3eqx.gen_tasks import GENERATIVE, GenerativeTask, model_generator, run_task
 from olmo3eqx.loss import candidate_logprobs, loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
 from olmo3eqx.olmo_tasks import load_tasks
@@ -140,8 +141,10 @@ class Evaluator:
 
 
 def make_evaluator(scorer: ShardedScorer, *, sets: dict[str, object], tasks: Sequence[Task], max_instances: int,
-                   max_len: int, pad_id: int) -> Evaluator:
-    """An Evaluator of {eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric>}."""
+                   max_len: int, pad_id: int, gen_tasks: Sequence[GenerativeTask] = (),
+                   tokenizer: Tokenizer | None = None) -> Evaluator:
+    """An Evaluator of {eval/<set>/loss, eval/<set>/ppl, eval/downstream/<task>/<metric>}; generative tasks
+    (gen_tasks.py) are generated greedily within the model's positions, `scorer.batch_size` requests at a time."""
 
     def evaluate(model: OLMo3) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -151,9 +154,14 @@ def make_evaluator(scorer: ShardedScorer, *, sets: dict[str, object], tasks: Seq
         for task in tasks:
             for k, v in scorer.evaluate_task(model, task, max_len=max_len, pad_id=pad_id).items():
                 out[f"{DOWNSTREAM}/{task.name}/{k}"] = v
+        for task in gen_tasks:
+            generator = model_generator(model, tokenizer, max_len=model.cfg.max_position_embeddings, mesh=scorer.mesh)
+            for k, v in run_task(task, generator, scorer.batch_size)[0].items():
+                out[f"{DOWNSTREAM}/{task.name}/{k}"] = v
         return out
 
-    return Evaluator(evaluate, list(sets), {t.name: t.primary for t in tasks})
+    primary = {t.name: t.primary for t in tasks} | {t.name: t.primary for t in gen_tasks}
+    return Evaluator(evaluate, list(sets), primary)
 
 
 def build_evaluator(eval_cfg: EvalConfig, data_cfg: DataConfig, model_cfg: ModelConfig, *, mesh: Mesh,
@@ -167,13 +175,17 @@ def build_evaluator(eval_cfg: EvalConfig, data_cfg: DataConfig, model_cfg: Model
     if DOWNSTREAM.split("/")[1] in sets:
         raise ConfigError("A held-out set may not be named 'downstream' (task metrics live under eval/downstream/); "
                           "rename it with name=glob.")
-    tasks = []
+    tasks, gen, tokenizer = [], [], None
+    scored = [e for e in eval_cfg.tasks if e not in GENERATIVE]
     if eval_cfg.tasks:
-        tasks = load_tasks(eval_cfg.tasks, Tokenizer.load(eval_cfg.tokenizer), max_len=seq_len,
-                           vocab_size=model_cfg.vocab_size, limit=eval_cfg.task_limit)
+        tokenizer = Tokenizer.load(eval_cfg.tokenizer)
+    if scored:
+        tasks = load_tasks(scored, tokenizer, max_len=seq_len, vocab_size=model_cfg.vocab_size,
+                           limit=eval_cfg.task_limit)
+    gen = [GENERATIVE[e](eval_cfg.task_limit) for e in dict.fromkeys(eval_cfg.tasks) if e in GENERATIVE]
     scorer = ShardedScorer(mesh, model_shardings, batch_size)
     return make_evaluator(scorer, sets=sets, tasks=tasks, max_instances=max_instances, max_len=seq_len,
-                          pad_id=model_cfg.pad_token_id)
+                          pad_id=model_cfg.pad_token_id, gen_tasks=gen, tokenizer=tokenizer)
 
 
 def split_name(key: str) -> tuple[str, str, str]:
@@ -196,7 +208,7 @@ def summary(metrics: dict[str, float], primary: dict[str, str]) -> str:
     return ", ".join(parts)
 
 
-TASK_COLUMNS = ("acc", "len_norm", "bpb", "bpb_v1")
+TASK_COLUMNS = ("acc", "len_norm", "bpb", "bpb_v1", "exact_match")
 
 
 def table(metrics: dict[str, float], primary: dict[str, str] | None = None) -> str:
@@ -243,14 +255,41 @@ class MemorisationWatch:
         return None
 
 
+@dataclass(frozen=True)
+class Samples:
+    """eval.samples: prompts completed at each evaluation, as text."""
+
+    prompts: tuple[str, ...]
+    tokenizer: str
+    new_tokens: int
+    temperature: float
+    mesh: Mesh | None = None
+
+    def __call__(self, model: OLMo3) -> list[str]:
+        """Each prompt followed by its completion (greedy, or sampled with seed 0)."""
+        from olmo3eqx.decode import Sampler
+        from olmo3eqx.generate import TextCodec, generate
+
+        codec = TextCodec(self.tokenizer)
+        ids = [codec.encode(p) or [model.cfg.eos_token_id] for p in self.prompts]
+        keep = max(1, model.cfg.max_position_embeddings - self.new_tokens)
+        done = generate(model, [x[-keep:] for x in ids], max_new_tokens=self.new_tokens,
+                        sampler=Sampler(self.temperature), decode=codec.decode, mesh=self.mesh)
+        return [p + c.text for p, c in zip(self.prompts, done)]
+
+
 class LoopEvaluator:
     """Evaluation inside the training loop: every eval.every steps and at the last; logs the metrics and a summary
-    line, then the memorisation watch's verdict on the first held-out set."""
+    line, then the memorisation watch's verdict on the first held-out set; with `samples`, the completions as text
+    (the latest kept in `last_samples`)."""
 
-    def __init__(self, evaluator: Evaluator, *, every: int, last_step: int, gap: float, log):
+    def __init__(self, evaluator: Evaluator, *, every: int, last_step: int, gap: float, log,
+                 samples: Samples | None = None):
         self.evaluator, self.heldout_names = evaluator, evaluator.heldout_names
         self.every, self.last_step, self.log = every, last_step, log
         self.watch = MemorisationWatch(gap)
+        self.samples = samples
+        self.last_samples: tuple[int, list[str]] | None = None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
@@ -259,6 +298,10 @@ class LoopEvaluator:
         metrics = self.evaluator(model)
         self.log.log(step, metrics)
         self.log.print(f"eval step {step}: {summary(metrics, self.evaluator.primary)}")
+        if self.samples is not None:
+            texts = self.samples(model)
+            self.log.log_text(step, {f"samples/{i}": t for i, t in enumerate(texts)})
+            self.last_samples = (step, texts)
         if self.heldout_names:
             warning = self.watch.update(recent_train_loss, metrics[f"eval/{self.heldout_names[0]}/loss"])
             if warning:

