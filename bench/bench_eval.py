@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gsm8k_limit:
         gsm8k["cpu"] = gsm8k_cpu_part(args.gsm8k_limit, args.batch)
         print(f"gsm8k, tiny-width model, this CPU: {gsm8k['cpu']['questions']} questions (prompts of "
-              f"{gsm8k['cpu']['prompt_tokens_mean']} tokens, completions of {gsm8k['cpu']['completion_tokens_mean']}) "
+              f"{gsm8k['cpu']['prompt_tokens_mean']} tokens, completions re-encoded to {gsm8k['cpu']['completion_tokens_mean']}) "
               f"in {gsm8k['cpu']['seconds']} s = {gsm8k['cpu']['seconds_per_question']} s per question, batch "
               f"{args.batch}")
     if not args.skip_7b:

@@ -107,7 +107,7 @@ def test_two_processes_match_one_process(cfg_path, single):
     assert "process 0 of 2" in results[0][1]
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # 1 -> 2: -m slow
 def test_checkpoint_crosses_process_counts(cfg_path, single, before, after):
     run_dir = cfg_path.parent / f"cross-{before}-{after}"
     procs = launch(cfg_path, run_dir, before)
