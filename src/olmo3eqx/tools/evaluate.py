@@ -41,8 +41,8 @@ class Args:
     heldout: tuple[str, ...] | None = None
     """Held-out sets, 'name=glob' or an OLMo-layout directory (see eval.heldout); unset: the run's own."""
     tasks: tuple[str, ...] | None = None
-    """olmo_eval task names, named sets (olmo3-in-loop, seed-eight) or JSONL files ('path' or 'name=path');
-    unset: the run's eval.tasks."""
+    """olmo_eval task names, named sets (olmo3-in-loop, seed-eight), JSONL files ('path' or 'name=path'), or
+    gsm8k (generated, olmo3eqx.gen_tasks); unset: the run's eval.tasks."""
     tokenizer: str | None = None
     """'bytes' or a tokenizer.json; unset: the run's eval.tokenizer, an HF directory's tokenizer.json, or bytes."""
     heldout_instances: Literal["packed", "document"] | None = None
