@@ -109,10 +109,19 @@ GENERATIVE = {"gsm8k": gsm8k}
 
 def run_task(task: GenerativeTask, generate_batch: Callable[[list[GenRequest]], list[str]], batch_size: int
              ) -> tuple[dict[str, float], list[str]]:
-    """(metrics, completions): the requests generated `batch_size` at a time by `generate_batch`."""
+    """(metrics, completions): the requests generated `batch_size` at a time by `generate_batch`, with a progress
+    bar on a terminal (gone when done)."""
+    import sys
+
+    from tqdm import tqdm
+
     completions: list[str] = []
-    for start in range(0, len(task.requests), batch_size):
-        completions += generate_batch(list(task.requests[start:start + batch_size]))
+    with tqdm(total=len(task.requests), desc=task.name, unit="question", leave=False,
+              disable=not sys.stderr.isatty()) as bar:
+        for start in range(0, len(task.requests), batch_size):
+            batch = list(task.requests[start:start + batch_size])
+            completions += generate_batch(batch)
+            bar.update(len(batch))
     return task.score(completions), completions
 
 
