@@ -24,6 +24,7 @@ def gpu_module(monkeypatch):
     return gpu
 
 
+@pytest.mark.slow  # 32 s: bench/gpu.py at tiny size; -m slow
 def test_gpu_script_runs_every_variant_at_tiny_size(gpu_module, tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert gpu_module.main(["--tiny", "--steps", "1", "--repeats", "1", "--json", str(out)]) == 0
@@ -54,6 +55,7 @@ def test_gpu_script_runs_every_variant_at_tiny_size(gpu_module, tmp_path, capsys
     assert "MFU" in table and sys.modules["gpu"] is gpu_module
 
 
+@pytest.mark.slow  # 75 s: bench_step's worker processes; -m slow
 def test_step_bench_times_each_contender_in_its_own_worker(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_step

@@ -164,6 +164,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_bit_identically(setup, referen
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.slow  # 28 s; the default suite resumes on another device count in test_remote_run's S3 run
 def test_resume_on_another_device_count(setup, reference):
     base, cfg = setup
     run_dir = base / "resized"
@@ -310,6 +311,7 @@ def children(pid: int) -> list[int]:
         return []
 
 
+@pytest.mark.slow  # 28 s; test_supervise covers the relaunch decisions in the default suite
 def test_until_done_relaunches_a_killed_run_to_the_end(setup, reference):
     base, cfg = setup
     run_dir = base / "supervised"

@@ -314,6 +314,13 @@ def run(args: Args) -> int:
     model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt)
     if args.dtype:
         model = with_dtype(model, args.dtype)
+    import jax
+
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.sharding import make_mesh, model_shardings
+
+    mesh = make_mesh(MeshConfig())  # every device: parameters FSDP-sharded as in training, prompts over the data axes
+    model = jax.device_put(model, model_shardings(model, mesh))
     codec = TextCodec(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
     if codec.vocab_size() > cfg.vocab_size:
         print(f"warning: the tokenizer {codec.spec} has {codec.vocab_size()} ids, the model {cfg.vocab_size}; an id "
@@ -326,7 +333,7 @@ def run(args: Args) -> int:
         sys.stdout.flush()
         t0 = time.perf_counter()
         [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                       stop=stop, decode=codec.decode, chunk=1,
+                       stop=stop, decode=codec.decode, chunk=1, mesh=mesh,
                        on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
         dt = time.perf_counter() - t0
         sys.stdout.write("\n")
@@ -338,7 +345,7 @@ def run(args: Args) -> int:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start:start + args.batch_size]
             done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
-                            stop=stop, decode=codec.decode)
+                            stop=stop, decode=codec.decode, mesh=mesh)
             for p, c in zip(prompts[start:start + len(batch)], done):
                 sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
                                        "tokens": len(c.tokens)}) + "\n")
