@@ -150,6 +150,7 @@ MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hid
                     compute_dtype="float32")
 
 
+@pytest.mark.slow  # 28 s; the backends stay compared layer by layer in the default suite
 def test_model_logits_and_gradients_same_with_blocked_and_xla():
     tokens = jax.random.randint(jax.random.key(1), (2, 29), 0, MODEL.vocab_size)
     models = {impl: init_model(dataclasses.replace(MODEL, attention_impl=impl), jax.random.key(0))

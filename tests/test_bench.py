@@ -232,6 +232,7 @@ def test_step_profile_counts_the_matmuls_of_dots_fusions_and_loop_bodies(profile
     assert [here + 1, lowered_at] in ours and [here + 3, lowered_at] in ours
 
 
+@pytest.mark.slow  # 17 s: bench/profile_step.py; -m slow
 def test_step_profile_attributes_a_scanned_step_to_its_source_lines(profile_module, monkeypatch, tmp_path, capsys):
     """End to end on a toy 8-layer model (a scan of 2 periods): every matmul execution counted (the loop body's twice),
     the rows name Linear's matmul forward and backward and the attention, and they add up to the traced span."""

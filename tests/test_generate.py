@@ -24,7 +24,8 @@ S, F = "sliding_attention", "full_attention"
 YARN = {F: {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 32,
             "beta_fast": 32.0, "beta_slow": 1.0}, S: {"rope_type": "default", "rope_theta": 500000.0}}
 # OLMo's pattern (3 sliding + 1 full) with a window far shorter than the prompts and the generation, so every ring
-# wraps several times; grouped-query attention; YaRN on the full layers, past its original length.
+# wraps several times; grouped-query attention; YaRN on the full layers, past its original length. yarn-scan (MQA,
+# YaRN, 8 layers scanned) runs in the default suite, window-gqa (GQA 4/2, 4 layers) with -m slow.
 HF_CONFIGS = {
     "window-gqa": dict(num_hidden_layers=4, sliding_window=6, num_attention_heads=4, num_key_value_heads=2),
     "yarn-scan": dict(num_hidden_layers=8, sliding_window=8, num_attention_heads=4, num_key_value_heads=1,
@@ -34,7 +35,7 @@ PROMPT_LENGTHS = (3, 11, 29)  # shorter than, about, and far longer than the win
 NEW = 40
 
 
-@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+@pytest.fixture(scope="module", params=[pytest.param("window-gqa", marks=pytest.mark.slow), "yarn-scan"])
 def hf_model(request, tmp_path_factory):
     from olmo3eqx.tools.convert import save_tiny_hf_model
 

@@ -125,6 +125,7 @@ def test_checkpoint_crosses_process_counts(cfg_path, single, before, after):
     assert indices(run_dir) == indices(single)
 
 
+@pytest.mark.slow  # 31 s; test_faults keeps a multi-process stop (process 0 refused) in the default suite
 def test_a_dead_process_stops_the_other(cfg_path):
     run_dir = cfg_path.parent / "dead"
     procs = launch(cfg_path, run_dir, 2, "--steps", "100000", "--checkpoint.every", "100000")

@@ -149,6 +149,7 @@ def test_sigkill_after_a_checkpoint_resumes_bit_identically(setup, reference):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # 30 s; the default suite keeps SIGTERM -> 75 on S3 and kill -9 -> bit-identical resume on GCS
 def test_sigterm_checkpoints_exits_75_and_resumes_bit_identically(setup, reference):
     base, cfg = setup
     run_dir = base / "preempted"
