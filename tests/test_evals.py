@@ -328,8 +328,9 @@ def test_training_loop_logs_every_named_set_and_task_and_every_checkpoint_is_sco
     assert f"sample at step 2:\n{samples[1]['samples/0']}" in p.stderr
     from olmo3eqx.checkpoint import load_model
     from olmo3eqx.evaluator import Samples
+    from olmo3eqx.tasks import Tokenizer
 
-    assert Samples(("def ", "x = "), "bytes", 6, 0.0)(load_model(tmp_path / "ev")[0]) == \
+    assert Samples(("def ", "x = "), Tokenizer.load("bytes"), 6, 0.0)(load_model(tmp_path / "ev")[0]) == \
         [samples[1]["samples/0"], samples[1]["samples/1"]]
 
     # Every kept checkpoint scored after the fact: steps 1 and 2, then nothing left to score. Step 2's task

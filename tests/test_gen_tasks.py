@@ -71,7 +71,7 @@ def test_gsm8k_requests_and_the_gold_chains_score_one():
 def test_a_generative_task_through_the_evaluator_equals_generate():
     from olmo3eqx.config import MeshConfig, ModelConfig
     from olmo3eqx.evaluator import ShardedScorer, make_evaluator
-    from olmo3eqx.generate import TextCodec, generate
+    from olmo3eqx.generate import generate
     from olmo3eqx.model import init_model
     from olmo3eqx.sharding import make_mesh, model_shardings
     from olmo3eqx.tasks import Tokenizer
@@ -87,9 +87,9 @@ def test_a_generative_task_through_the_evaluator_equals_generate():
     evaluator = make_evaluator(scorer, sets={}, tasks=[], max_instances=0, max_len=64, pad_id=257, gen_tasks=[task],
                                tokenizer=Tokenizer.load("bytes"))
     got = evaluator(jax.device_put(model, model_shardings(model, mesh)))
-    codec = TextCodec("bytes")
-    texts = [c.text for c in generate(model, [codec.encode(r.context) for r in reqs], max_new_tokens=12,
-                                      stop=["\n\n"], decode=codec.decode)]
+    tokenizer = Tokenizer.load("bytes")
+    ids = [x.tolist() for x in tokenizer.encode([r.context for r in reqs])]
+    texts = [c.text for c in generate(model, ids, max_new_tokens=12, stop=["\n\n"], decode=tokenizer.decode)]
     assert got == {f"eval/downstream/toy/{k}": v for k, v in task.score(texts).items()}
     assert evaluator.primary == {"toy": "exact_match"}
     assert np.isfinite(got["eval/downstream/toy/primary"])

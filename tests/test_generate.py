@@ -216,14 +216,14 @@ def byte_ckpt(tmp_path_factory):
 
 
 def test_cli_streams_the_completion_generate_gives(byte_ckpt, capsys):
-    from olmo3eqx.generate import TextCodec
+    from olmo3eqx.tasks import Tokenizer
 
     rc = main(["--ckpt", str(byte_ckpt / "ckpt"), "--tokenizer", "bytes", "--max-new-tokens", "20", "def fib(n):"])
     out = capsys.readouterr().out
     assert rc == 0
     model, _ = hf.load_hf(byte_ckpt / "hf")
-    codec = TextCodec("bytes")
-    [c] = generate(model, [codec.encode("def fib(n):")], max_new_tokens=20, decode=codec.decode)
+    tokenizer = Tokenizer.load("bytes")
+    [c] = generate(model, [tokenizer.encode(["def fib(n):"])[0].tolist()], max_new_tokens=20, decode=tokenizer.decode)
     assert out == "def fib(n):" + c.text + "\n"
 
 

@@ -125,7 +125,7 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
     cfg = model.cfg
     model = cast_floating(model, DTYPE[cfg.compute_dtype])
     batch, seq = tokens.shape
-    segment_ids = (jnp.arange(seq)[None, :] >= pad[:, None]).astype(jnp.int32)  # PAD_SEGMENT 0, prompt 1
+    segment_ids = jnp.where(jnp.arange(seq)[None, :] >= pad[:, None], 1, PAD_SEGMENT).astype(jnp.int32)
     positions = document_positions(segment_ids)
     tables = {kind: table.at(positions) for kind, table in rope_tables(seq, cfg).items()}
     kinds = cfg.resolved_layer_types

@@ -260,7 +260,7 @@ class Samples:
     """eval.samples: prompts completed at each evaluation, as text."""
 
     prompts: tuple[str, ...]
-    tokenizer: str
+    tokenizer: Tokenizer
     new_tokens: int
     temperature: float
     mesh: Mesh | None = None
@@ -268,13 +268,12 @@ class Samples:
     def __call__(self, model: OLMo3) -> list[str]:
         """Each prompt followed by its completion (greedy, or sampled with seed 0)."""
         from olmo3eqx.decode import Sampler
-        from olmo3eqx.generate import TextCodec, generate
+        from olmo3eqx.generate import generate
 
-        codec = TextCodec(self.tokenizer)
-        ids = [codec.encode(p) or [model.cfg.eos_token_id] for p in self.prompts]
+        ids = [x.tolist() or [model.cfg.eos_token_id] for x in self.tokenizer.encode(list(self.prompts))]
         keep = max(1, model.cfg.max_position_embeddings - self.new_tokens)
         done = generate(model, [x[-keep:] for x in ids], max_new_tokens=self.new_tokens,
-                        sampler=Sampler(self.temperature), decode=codec.decode, mesh=self.mesh)
+                        sampler=Sampler(self.temperature), decode=self.tokenizer.decode, mesh=self.mesh)
         return [p + c.text for p, c in zip(self.prompts, done)]
 
 

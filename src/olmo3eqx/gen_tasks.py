@@ -128,9 +128,7 @@ def run_task(task: GenerativeTask, generate_batch: Callable[[list[GenRequest]], 
 def model_generator(model, tokenizer, *, max_len: int, mesh=None) -> Callable[[list[GenRequest]], list[str]]:
     """Greedy completions of a batch of requests with `model` (each context left-truncated so that it and its new
     tokens fit max_len positions), decoded with `tokenizer` (tasks.Tokenizer)."""
-    from olmo3eqx.generate import TextCodec, generate
-
-    codec = TextCodec(tokenizer.spec)
+    from olmo3eqx.generate import generate
 
     def run(batch: list[GenRequest]) -> list[str]:
         new = max(r.max_new_tokens for r in batch)
@@ -140,7 +138,7 @@ def model_generator(model, tokenizer, *, max_len: int, mesh=None) -> Callable[[l
                             f"evaluate at a longer length.")
         prompts = [ids[-keep:].tolist() for ids in tokenizer.encode([r.context for r in batch])]
         stops = sorted({s for r in batch for s in r.stop})
-        out = generate(model, prompts, max_new_tokens=new, stop=stops, decode=codec.decode, mesh=mesh)
+        out = generate(model, prompts, max_new_tokens=new, stop=stops, decode=tokenizer.decode, mesh=mesh)
         return [c.text for c in out]
 
     return run

@@ -1,6 +1,6 @@
 """Text generation from any checkpoint: `python -m olmo3eqx.generate --ckpt runs/tiny "def fib(n):"` (also the
 `olmo3eqx-generate` console script). The device side (KV cache, prefill, decode steps, sampling) is olmo3eqx.decode;
-this module is the host side: tokenizers both ways, prompts batched and left-padded, the decode loop with EOS, stop
+this module is the host side (texts through olmo3eqx.tasks.Tokenizer both ways): prompts batched and left-padded, the decode loop with EOS, stop
 strings and a length limit, streaming, and the command.
 
     olmo3eqx-generate --ckpt runs/tiny "def fib(n):"                       # streams the completion
@@ -15,13 +15,11 @@ writes one {"prompt", "completion", "finish", "tokens"} line per prompt.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated
 
 import numpy as np
@@ -35,41 +33,6 @@ MIN_BUCKET = 16
 
 class GenerationError(ValueError):
     """Bad input to generation (an empty prompt, an id outside the vocabulary, too long, no tokenizer)."""
-
-
-@dataclass(frozen=True)
-class TextCodec:
-    """A tokenizer both ways: 'bytes' (byte b is id b, EOS 256) or a tokenizer.json."""
-
-    spec: str
-
-    def encode(self, text: str) -> list[int]:
-        from olmo3eqx.data.prepare import encode_texts
-
-        return [int(i) for i in encode_texts([text.encode("utf-8")], self.spec)[0]]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        from olmo3eqx.data.prepare import BYTES
-
-        if self.spec == BYTES:
-            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return _hf_tokenizer(self.spec).decode(list(ids), skip_special_tokens=False)
-
-    def vocab_size(self) -> int:
-        from olmo3eqx.data.prepare import tokenizer_info
-
-        return tokenizer_info(self.spec)["vocab_size"]
-
-
-_HF = {}
-
-
-def _hf_tokenizer(spec: str):
-    if spec not in _HF:
-        from tokenizers import Tokenizer
-
-        _HF[spec] = Tokenizer.from_file(str(Path(spec).expanduser()))
-    return _HF[spec]
 
 
 @dataclass
@@ -116,8 +79,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
     text), or after max_new_tokens. `chunk` decode steps run per device program (1 streams token by token).
     `on_text(row, new_text)` receives each row's text as it grows (held back while it could still begin a stop
     string or ends in a partial UTF-8 character). With `mesh`, prompts are split over its data axes when the batch divides (the model as placed)."""
-    import jax
-    import jax.numpy as jnp
 
     from olmo3eqx import decode as dec
 
@@ -300,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: Args) -> int:
     from olmo3eqx import decode as dec
     from olmo3eqx.hf.parity import with_dtype
+    from olmo3eqx.tasks import Tokenizer
     from olmo3eqx.tools.evaluate import load_any
 
     prompts = list(args.prompts)
@@ -321,11 +283,11 @@ def run(args: Args) -> int:
 
     mesh = make_mesh(MeshConfig())  # every device: parameters FSDP-sharded as in training, prompts over the data axes
     model = jax.device_put(model, model_shardings(model, mesh))
-    codec = TextCodec(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
-    if codec.vocab_size() > cfg.vocab_size:
-        print(f"warning: the tokenizer {codec.spec} has {codec.vocab_size()} ids, the model {cfg.vocab_size}; an id "
-              f"beyond the model's stops generation with an error.", file=sys.stderr)
-    ids = [codec.encode(p) for p in prompts]
+    tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
+    if tokenizer.vocab_size > cfg.vocab_size:
+        print(f"warning: the tokenizer {tokenizer.spec} has {tokenizer.vocab_size} ids, the model {cfg.vocab_size}; an "
+              f"id beyond the model's stops generation with an error.", file=sys.stderr)
+    ids = [x.tolist() for x in tokenizer.encode(prompts)]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
     stream = len(prompts) == 1 and not args.file and args.out is None
     if stream:
@@ -333,7 +295,7 @@ def run(args: Args) -> int:
         sys.stdout.flush()
         t0 = time.perf_counter()
         [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
-                       stop=stop, decode=codec.decode, chunk=1, mesh=mesh,
+                       stop=stop, decode=tokenizer.decode, chunk=1, mesh=mesh,
                        on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
         dt = time.perf_counter() - t0
         sys.stdout.write("\n")
@@ -345,7 +307,7 @@ def run(args: Args) -> int:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start:start + args.batch_size]
             done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
-                            stop=stop, decode=codec.decode, mesh=mesh)
+                            stop=stop, decode=tokenizer.decode, mesh=mesh)
             for p, c in zip(prompts[start:start + len(batch)], done):
                 sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
                                        "tokens": len(c.tokens)}) + "\n")

@@ -41,7 +41,7 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from olmo3eqx import storage
-from olmo3eqx.data.prepare import encode_texts, tokenizer_info
+from olmo3eqx.data.prepare import decode_ids, encode_texts, tokenizer_info
 from olmo3eqx.data.source import DataError
 
 MIN_BUCKET = 16
@@ -87,6 +87,10 @@ class Tokenizer:
         ids = encode_texts([t.encode("utf-8") for t in unique], self.spec)
         by_text = {t: x.astype(np.int32) for t, x in zip(unique, ids)}
         return [by_text[t] for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of generated ids (olmo3eqx.generate)."""
+        return decode_ids(ids, self.spec)
 
 
 # --- our JSONL task files -------------------------------------------------------------------------

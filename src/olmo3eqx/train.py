@@ -390,13 +390,14 @@ def loop_evaluator(cfg: TrainConfig, layout, log):
     if not cfg.eval.every:
         return None
     from olmo3eqx.evaluator import LoopEvaluator, Samples, build_evaluator
+    from olmo3eqx.tasks import Tokenizer
 
     evaluator = build_evaluator(
         cfg.eval, cfg.data, cfg.model, mesh=layout.mesh, model_shardings=layout.shardings.model,
         batch_size=layout.plan.micro_batch, seq_len=cfg.data.seq_len,
         max_instances=cfg.eval.batches * cfg.data.global_batch)
-    samples = Samples(cfg.eval.samples, cfg.eval.tokenizer, cfg.eval.sample_tokens, cfg.eval.sample_temperature,
-                      layout.mesh) if cfg.eval.samples else None
+    samples = Samples(cfg.eval.samples, Tokenizer.load(cfg.eval.tokenizer), cfg.eval.sample_tokens,
+                      cfg.eval.sample_temperature, layout.mesh) if cfg.eval.samples else None
     return LoopEvaluator(evaluator, every=cfg.eval.every, last_step=cfg.steps, gap=cfg.eval.memorisation_gap, log=log,
                          samples=samples)
 

@@ -90,17 +90,30 @@ def tokenizer_info(tokenizer: str, eos_id: int | None = None) -> dict:
 _TOKENIZERS: dict = {}
 
 
-def encode_texts(texts: list[bytes], tokenizer: str) -> list[np.ndarray]:
-    """Token ids of each text (no EOS added): bytes as ids 0..255, or a tokenizer.json's encoding."""
-    if tokenizer == BYTES:
-        return [np.frombuffer(t, np.uint8) for t in texts]
+def _hf_tokenizer(tokenizer: str):
+    """The tokenizer.json at path `tokenizer`, loaded once per process."""
     if tokenizer not in _TOKENIZERS:
         from tokenizers import Tokenizer
 
         _TOKENIZERS[tokenizer] = Tokenizer.from_file(str(Path(tokenizer).expanduser()))
+    return _TOKENIZERS[tokenizer]
+
+
+def encode_texts(texts: list[bytes], tokenizer: str) -> list[np.ndarray]:
+    """Token ids of each text (no EOS added): bytes as ids 0..255, or a tokenizer.json's encoding."""
+    if tokenizer == BYTES:
+        return [np.frombuffer(t, np.uint8) for t in texts]
     strings = [t.decode("utf-8", errors="replace") for t in texts]
     return [np.asarray(e.ids, np.int64)
-            for e in _TOKENIZERS[tokenizer].encode_batch(strings, add_special_tokens=False)]
+            for e in _hf_tokenizer(tokenizer).encode_batch(strings, add_special_tokens=False)]
+
+
+def decode_ids(ids: Sequence[int], tokenizer: str) -> str:
+    """The text of token ids, encode_texts' inverse: bytes (ids >= 256, EOS and PAD, dropped; invalid UTF-8
+    replaced) or a tokenizer.json's decoding, special tokens kept."""
+    if tokenizer == BYTES:
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+    return _hf_tokenizer(tokenizer).decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def tokenize_documents(texts: list[bytes], *, tokenizer: str, eos_id: int,

@@ -100,9 +100,7 @@ class OLMo3EqxLM(LM):
         `do_sample` (then `temperature`, `top_k`, `top_p`); the context left-truncated to max_length minus the new
         tokens. Requests with the same settings are generated together, a scorer batch at a time."""
         from olmo3eqx.decode import Sampler
-        from olmo3eqx.generate import TextCodec, generate
-
-        codec = TextCodec(self.tokenizer.spec)
+        from olmo3eqx.generate import generate
         groups: dict[tuple, list[tuple[int, str]]] = {}
         for i, request in enumerate(requests):
             context, kwargs = request.args
@@ -125,7 +123,7 @@ class OLMo3EqxLM(LM):
                 ids = [x[-keep:].tolist() or [self.tokenizer.eos_id]
                        for x in self.tokenizer.encode([c for _, c in batch])]
                 done = generate(self.model, ids, max_new_tokens=new, sampler=sampler, stop=list(until),
-                                decode=codec.decode, mesh=self.scorer.mesh)
+                                decode=self.tokenizer.decode, mesh=self.scorer.mesh)
                 for (i, _), completion in zip(batch, done):
                     out[i] = completion.text
         return out
