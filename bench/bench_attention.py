@@ -3,8 +3,15 @@ scaled_dot_product_attention (causal flag for a global layer, a boolean band mas
 `transformers` passes it), float32, the tiny config's shapes by default.
 
     python bench/bench_attention.py [--batch 16 --seq 256 --heads 4 --dim 64 --window 64] [--repeats 15]
+    python bench/bench_attention.py --lengths 2048 4096 8192 16384 32768 65536 [--heads 4 --kv-heads 1 --dim 128
+                                    --window 4096 --documents 4 --block 512] [--max-gib 12] [--repeats 3]
 
 Interleaved repeats, median and best; prints a table last and writes bench/results/attention.json.
+
+--lengths: one row per length and backend (flash, blocked, xla), batch 1, a global and a sliding layer: the
+compiled forward+backward's memory (XLA's memory analysis: temporaries, the part that grows with the scores) and
+its time, packed with `--documents` equal documents per row (segment ids). A compile whose memory exceeds
+--max-gib is reported and not run. Writes bench/results/attention_lengths.json.
 """
 
 from __future__ import annotations
@@ -54,8 +61,62 @@ def torch_fn(window: int | None, q, k, v):
     return run
 
 
+def lengths_sweep(args) -> int:
+    from olmo3eqx.flash import DEFAULT_BLOCK
+
+    rows, results = [], {}
+    load_before = os.getloadavg()
+    for seq in args.lengths:
+        keys = jax.random.split(jax.random.key(seq), 3)
+        shapes = [(1, seq, args.heads, args.dim)] + [(1, seq, args.kv_heads, args.dim)] * 2
+        q, k, v = (jax.random.normal(key, shape) for key, shape in zip(keys, shapes))
+        seg = jnp.asarray(np.repeat(np.arange(args.documents), -(-seq // args.documents))[None, :seq], jnp.int32)
+        for layer, window in (("global", None), ("sliding", args.window)):
+            for impl in ("flash", "blocked", "xla"):
+                block = args.block if impl == "flash" else None
+                fn = jax.jit(jax.grad(lambda q, k, v, s, impl=impl, window=window, block=block: jnp.sum(attention(
+                    q, k, v, window=window, impl=impl, segment_ids=s, block_q=block, block_kv=block) ** 2),
+                    argnums=(0, 1, 2)))
+                t = time.perf_counter()
+                compiled = fn.lower(q, k, v, seg).compile()
+                compile_s = time.perf_counter() - t
+                mem = compiled.memory_analysis()
+                temp = mem.temp_size_in_bytes / 2**30
+                row = {"seq": seq, "layer": layer, "impl": impl, "temp": f"{temp:.3f}", "compile": f"{compile_s:.1f}",
+                       "median": "not run", "best": ""}
+                result = {"temp_gib": temp, "compile_s": compile_s}
+                if temp <= args.max_gib:
+                    jax.block_until_ready(compiled(q, k, v, seg))
+                    times = []
+                    for _ in range(args.repeats):
+                        t = time.perf_counter()
+                        jax.block_until_ready(compiled(q, k, v, seg))
+                        times.append(time.perf_counter() - t)
+                    row.update(median=f"{1e3 * common.median(times):.0f}", best=f"{1e3 * min(times):.0f}")
+                    result["seconds"] = times
+                else:
+                    row["median"] = f"not run (> {args.max_gib} GiB)"
+                results[f"{seq}/{layer}/{impl}"] = result
+                rows.append(row)
+                print(row, flush=True)
+    load_after = os.getloadavg()
+    path = common.write_json("attention_lengths.json", {"args": vars(args), "results": results,
+                                                        "load_before": load_before, "load_after": load_after})
+    print(f"\nattention forward+backward at batch 1 x {args.heads} heads ({args.kv_heads} kv) x {args.dim}, window "
+          f"{args.window}, {args.documents} documents per row, flash blocks {args.block or DEFAULT_BLOCK}; float32; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {path}")
+    print(common.table(rows, [("seq", "tokens"), ("layer", "layer"), ("impl", "backend"), ("temp", "temp GiB"),
+                              ("compile", "compile s"), ("median", "median ms"), ("best", "best ms")]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=None)
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--documents", type=int, default=4)
+    ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--max-gib", type=float, default=12.0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -63,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
+    if args.lengths:
+        return lengths_sweep(args)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (args.batch, args.seq, args.heads, args.dim)) for key in keys)
     rows, results = [], {}
     load_before = os.getloadavg()
     for layer, window in (("sliding", args.window), ("global", None)):
-        fns = {"olmo3eqx blocked": jax_fn("blocked", window, q, k, v), "olmo3eqx xla": jax_fn("xla", window, q, k, v),
+        fns = {"olmo3eqx blocked": jax_fn("blocked", window, q, k, v), "olmo3eqx flash": jax_fn("flash", window, q, k, v),
+               "olmo3eqx xla": jax_fn("xla", window, q, k, v),
                "torch sdpa": torch_fn(window, q, k, v)}
         for f in fns.values():
             f()

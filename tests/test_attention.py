@@ -138,11 +138,11 @@ def test_leading_batch_axes_equal_vmap(impl):
 def test_backend_names():
     on_gpu = jax.default_backend() == "gpu"
     assert resolve("auto", jnp.bfloat16) == ("cudnn" if on_gpu else "blocked")
-    assert resolve("auto", jnp.float32) == "blocked"  # cuDNN has no float32 flash attention
+    assert resolve("auto", jnp.float32) == ("flash" if on_gpu else "blocked")  # cuDNN has no float32 flash kernel
     assert resolve("splash", jnp.float32) == "splash"
-    assert {"blocked", "xla", "cudnn", "splash"} <= set(IMPLEMENTATIONS)
+    assert {"blocked", "xla", "cudnn", "flash", "splash"} <= set(IMPLEMENTATIONS)
     with pytest.raises(ValueError, match="attention_impl"):
-        resolve("flash", jnp.float32)
+        resolve("flash2", jnp.float32)
 
 
 MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

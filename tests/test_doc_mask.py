@@ -82,7 +82,7 @@ def test_cudnn_refuses_documents_and_auto_never_picks_it():
     q, k, v = inputs(16, 4, 2, 8, dtype=jnp.bfloat16)
     with pytest.raises(DocumentMaskError, match="model.attention_impl 'cudnn' cannot mask packed documents"):
         attention(q, k, v, window=None, impl="cudnn", segment_ids=seg)
-    assert resolve("auto", jnp.bfloat16, documents=True) in ("blocked", "splash")
+    assert resolve("auto", jnp.bfloat16, documents=True) in ("flash", "splash")
 
 
 def test_document_positions_restart_at_each_document():
@@ -100,7 +100,7 @@ MODEL = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hid
                     compute_dtype="float32")
 
 
-@pytest.mark.parametrize("impl", ["blocked", "xla"])
+@pytest.mark.parametrize("impl", ["blocked", "flash", "xla"])
 def test_packed_documents_give_their_logits_alone(impl):
     """Documents A (11 tokens) and B (15) and padding (6) packed as A B pad in row 0 and B A pad in row 1: each
     document's logits are the same in either place, so equal to the model on that document alone (a row's prefix is
@@ -169,10 +169,13 @@ def test_splash_segments_under_a_mesh():
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=2e-5)
 
 
-def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path):
+@pytest.mark.parametrize(("impl", "lengths"), [("blocked", ([20, 33, 27], [50, 30])),
+                                               ("flash", ([150, 97, 53], [200, 100]))], ids=["blocked", "flash"])
+def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path, impl, lengths):
     """transformers packs by position_ids that restart at 0 (masking_utils.find_packed_sequence_indices: a
     block-diagonal mask, and those positions for RoPE): a random `transformers` Olmo3 (sliding window 12 < the
-    documents, GQA) converted to ours gives its logits on packed rows with segment ids."""
+    documents, GQA) converted to ours gives its logits on packed rows with segment ids. flash with blocks of 128
+    over 300 tokens: documents across block borders, padding to 384."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from olmo3eqx import hf
@@ -182,8 +185,9 @@ def test_packed_model_matches_transformers_packed_by_position_ids(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                             attn_implementation="sdpa").eval()
     model, cfg = hf.load_hf(tmp_path)
-    model = dataclasses.replace(model, cfg=dataclasses.replace(cfg, attention_impl="blocked"))
-    seg = np.stack([segments([20, 33, 27]), segments([50, 30])])
+    blocks = {"attention_block_q": 128, "attention_block_kv": 128} if impl == "flash" else {}
+    model = dataclasses.replace(model, cfg=dataclasses.replace(cfg, attention_impl=impl, **blocks))
+    seg = np.stack([segments(x) for x in lengths])
     positions = np.array(document_positions(jnp.asarray(seg)))  # a writable copy for torch.from_numpy
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, seg.shape)
     with torch.no_grad():

@@ -13,22 +13,27 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   Heads-major layout, so every matmul is a canonical batched matmul. It computes a fraction of the scores "xla"
   computes, so it is the faster one wherever the window is shorter than the sequence (bench/bench_attention.py
   times both; docs/performance.md). The same algorithm accelerators want.
+- "flash": the flash-attention algorithm in plain JAX (olmo3eqx.flash): blocks with an online softmax and a custom
+  VJP that recomputes scores from the saved log-sum-exp, so memory grows linearly with the sequence on every
+  platform; key blocks outside the causal triangle, the window or the documents are skipped, not masked.
 - "splash": Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the TPU flash kernel
   that skips every all-masked [block_q, block_kv] block: a sliding layer is a LocalMask (W - 1, 0), a global layer
   a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default
   (SPLASH_BLOCKS). Under a mesh it runs per shard in a `shard_map` (batch over data x fsdp, heads over tensor),
   since XLA cannot partition a Pallas kernel; on CPU the kernel runs in Pallas interpret mode (slow: for tests).
-- "auto": splash on TPU, cudnn on GPU for bf16/fp16 inputs (cuDNN has no float32 flash kernel), blocked elsewhere
-  (and on GPU when documents are masked: see below).
+- "auto": splash on TPU. Elsewhere, with documents masked: flash (cuDNN cannot mask them; blocked keeps each
+  global layer's score blocks for the backward pass: quadratic memory). Without documents: cudnn on GPU for
+  bf16/fp16 inputs (cuDNN has no float32 flash kernel), flash on GPU otherwise; on CPU blocked up to
+  LONG_SEQUENCE tokens (faster there: bench/bench_attention.py), flash beyond.
 
 Document masking (packed instances): `segment_ids` [*batch, seq] gives each token the index of its document; a query
 then sees key j only if causal, inside the window on sliding layers, AND of the same segment. None is plain causal
 attention on the unchanged code path. Per backend: "xla" adds the segment mask to jax.nn's `mask`; "blocked" ANDs
-it into each block pair's static mask (the same T x (W + C) scores: the memory bound is unchanged); "splash" passes
-the kernel `SegmentIds(q, kv)`. "cudnn" refuses: jax.nn.dot_product_attention's public cuDNN path expresses padding
+it into each block pair's static mask (the same T x (W + C) scores: the memory bound is unchanged); "flash" masks
+each visited block and skips blocks that share no document; "splash" passes the kernel `SegmentIds(q, kv)`. "cudnn" refuses: jax.nn.dot_product_attention's public cuDNN path expresses padding
 (`query_seq_lengths`), not packing, and its `mask` becomes a dense [heads, T, T] bias (at 65K, 8 GiB per head in
 bf16); the packed cuDNN layout (`q_offsets`) is only in JAX's private jax._src.cudnn API, untested here (no GPU).
-So "auto" picks "blocked" on GPU for masked documents, and an explicit "cudnn" with segment ids is a clear error.
+So "auto" picks "flash" on GPU for masked documents, and an explicit "cudnn" with segment ids is a clear error.
 
 Which platform a trace compiles for is read from the abstract mesh in context (`sharding.on_mesh`, as the train
 step and the evaluator trace), so an ahead-of-time compile for a TPU topology on a CPU host (olmo3eqx.aot) gets
@@ -47,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from olmo3eqx.config import SPLASH_LANES, AttentionImpl, ConfigError
+from olmo3eqx.flash import flash_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
@@ -62,6 +68,9 @@ WIDE_HEAD_SPLASH_BLOCKS = (("tpu7", 1024),)
 Ironwood's 32 MiB scoped VMEM in the forward kernel (XLA:TPU's CompileTimeScopedVmemOom, 7B step for tpu7x:4x4x4);
 1024 compiles. v5p's 512 compiles at 256 as it is."""
 DEFAULT_SPLASH_BLOCK = 512
+LONG_SEQUENCE = 8192
+"""On CPU without documents, "auto" picks blocked up to this many tokens and flash beyond (bench/bench_attention.py
+--lengths: blocked is faster on this CPU at every length it fits, flash's memory is linear)."""
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
@@ -84,23 +93,25 @@ def target_device() -> tuple[str, str]:
     return device.platform, device.device_kind
 
 
-def resolve(impl: str, dtype, documents: bool = False) -> str:
+def resolve(impl: str, dtype, documents: bool = False, seq: int = 0) -> str:
     """The backend `impl` names for inputs of `dtype` on the target platform ("auto" decided here); `documents`:
-    whether segment ids mask documents (cuDNN cannot: see the module doc)."""
+    whether segment ids mask documents (cuDNN cannot: see the module doc); `seq`: the sequence length."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
     if impl == "cudnn" and documents:
         raise DocumentMaskError(
             "model.attention_impl 'cudnn' cannot mask packed documents (jax.nn.dot_product_attention's cuDNN path "
-            "has no segment ids); set model.attention_impl to 'auto' or 'blocked'.")
+            "has no segment ids); set model.attention_impl to 'auto' or 'flash'.")
     if impl != "auto":
         return impl
     platform = target_device()[0]
     if platform == "tpu":
         return "splash"
-    if platform == "gpu" and jnp.dtype(dtype) in LOW_PRECISION and not documents:
-        return "cudnn"
-    return "blocked"
+    if documents:
+        return "flash"
+    if platform == "gpu":
+        return "cudnn" if jnp.dtype(dtype) in LOW_PRECISION else "flash"
+    return "blocked" if seq <= LONG_SEQUENCE else "flash"
 
 
 def attention(
@@ -110,14 +121,16 @@ def attention(
 ) -> Float[Array, "*batch seq heads dim"]:
     """Causal attention; `window` is W keys including the query itself, None for a global layer. Query head h uses
     kv head h // (heads // kv_heads) (grouped-query attention). Leading batch axes are optional. Output in q's
-    dtype. `block_q`/`block_kv` are splash's blocks (None: the chip's default); the other backends ignore them.
+    dtype. `block_q`/`block_kv` are splash's and flash's blocks (None: their defaults); the others ignore them.
     `segment_ids`: each token's document; keys of another document are masked (None: no document masking)."""
-    backend = resolve(impl, q.dtype, documents=segment_ids is not None)
     seq = q.shape[-3]
+    backend = resolve(impl, q.dtype, documents=segment_ids is not None, seq=seq)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
+    if backend == "flash":
+        return flash_attention(q, k, v, window=window, segment_ids=segment_ids, block_q=block_q, block_kv=block_kv)
     if backend == "splash":
         return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
     if q.ndim > 4:

@@ -23,7 +23,7 @@ SPLASH_LANES = 128
 """Splash attention's blocks are multiples of the TPU vector lane width."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
-AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "splash"]
+AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "splash"]
 
 
 class ConfigError(ValueError):
