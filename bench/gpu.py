@@ -1,11 +1,13 @@
 """Single-GPU benchmark for an H100/H200, one command under 8 minutes: tokens/s, MFU and memory of the real train
 step (bfloat16 compute, float32 master weights and Adam moments) for OLMo-3-shaped models, cuDNN flash attention
-against the window-aware blocked einsums, and the two head shapes of equal parameters and FLOPs. Writes one JSON.
+against the window-aware blocked einsums, the flash backend in plain JAX and JAX's Pallas GPU kernel (global
+layers; "auto" picks neither of the last two for unpacked bf16 batches until this says which is fastest), and the
+two head shapes of equal parameters and FLOPs. Writes one JSON.
 
     python bench/gpu.py          # on the GPU: bench/results/gpu.json
     python bench/gpu.py --tiny   # toy sizes on any backend (tests/test_bench.py)
 
-Variants (each with attention cudnn and blocked):
+Variants (each with attention cudnn, blocked, flash and pallas):
 - "tiny": configs/tiny.yaml's model (3.4M, seq 256, batch 16);
 - "1b": configs/olmo3-1b.yaml (width 2048, 16 layers, window 4096 of 8192, batch 4) with 16 x 128 and 8 x 256 heads;
 - "7b-2l": two of the 7B's layers, one sliding and one global (width 4096, MLP 11008, 100k vocabulary, batch 4 x
@@ -13,7 +15,8 @@ Variants (each with attention cudnn and blocked):
 MFU is against the device's dense bf16 peak (olmo3eqx.flops.PEAK_FLOPS), FLOPs window-aware, the all-global
 (MaxText) figure beside it. Memory: XLA's compiled memory analysis of the step. The XLA GPU
 flags train.py applies (olmo3eqx.jaxenv) are applied here too unless XLA_FLAGS is set. A variant that fails (out of
-memory, an unsupported kernel) is a result, not a crash; cudnn variants are skipped off GPU; no variant starts after
+memory, an unsupported kernel) is a result, not a crash; cudnn and pallas variants are skipped off GPU; no variant
+starts after
 --budget-s.
 """
 
@@ -41,7 +44,9 @@ from olmo3eqx import flops
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
-ATTENTION = ("cudnn", "blocked")
+ATTENTION = ("cudnn", "blocked", "flash", "pallas")
+GPU_ONLY = ("cudnn", "pallas")
+"""Skipped off a GPU: cuDNN has no CPU kernel, the Pallas GPU kernel would run in interpret mode (slow)."""
 
 
 def variants(tiny: bool) -> list[tuple[str, ModelConfig, int, int]]:
@@ -114,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"variant": name, "params": f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M",
                "tokens": f"{batch}x{seq}"}
         rows.append(row)
-        if model.attention_impl == "cudnn" and not on_gpu:
-            row["tok_s"] = "skipped (cuDNN needs a GPU)"
+        if model.attention_impl in GPU_ONLY and not on_gpu:
+            row["tok_s"] = f"skipped ({model.attention_impl} needs a GPU)"
             results[name] = {"skipped": row["tok_s"]}
             continue
         if time.perf_counter() - start > args.budget_s:

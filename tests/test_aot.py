@@ -103,6 +103,25 @@ def test_dry_run_on_this_host(capsys):
     assert "compiled FLOPs:" in out and "compile time:" in out
 
 
+def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
+    """`--target h100x8`: packed documents get flash (cuDNN cannot mask them), the 8 simulated devices stand for the
+    node, memory is judged against an H100's; h200x4 takes the first 4; more GPUs than devices is one sentence."""
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # train.py asks for simulated devices there: restored afterwards
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    flags = ["--dry-run", "--model.num-hidden-layers", "4", "--data.seq-len", "256", "--data.packing"]
+    assert main([*flags, "--target", "h100x8"]) == 0
+    out = capsys.readouterr().out
+    assert "attention:             flash, blocks 256 x 256 (documents masked)" in out
+    assert "GPU node plan:         8 x NVIDIA H100 80GB HBM3 (79.65 GiB each) on 8 simulated CPU devices" in out
+    assert "mesh:                  {'data': 1, 'fsdp': 8, 'tensor': 1}" in out
+    assert re.search(r"HBM 79\.65 GiB: fits with [\d.]+ GiB to spare", out)
+    assert main([*flags, "--target", "h200x4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 x NVIDIA H200 (140.40 GiB each)" in out and "HBM 140.40 GiB" in out
+    assert main([*flags, "--target", "h100x16"]) == 2
+    assert "plans on 16 simulated devices but JAX has 8" in capsys.readouterr().err
+
+
 def number_after(text: str, label: str) -> float:
     return float(re.search(re.escape(label) + r"\s*([\d.,]+)", text).group(1).replace(",", ""))
 

@@ -188,7 +188,7 @@ def test_memory_grows_linearly_with_the_sequence(window):
 
 def test_auto_picks_flash_for_documents_off_the_tpu(monkeypatch):
     assert resolve("auto", jnp.float32, documents=True) == "flash"
-    assert resolve("auto", jnp.float32, documents=False, seq=4096) == "blocked"
+    assert resolve("auto", jnp.float32, documents=False, seq=attn.LONG_SEQUENCE) == "blocked"
     assert resolve("auto", jnp.float32, documents=False, seq=attn.LONG_SEQUENCE + 1) == "flash"
     monkeypatch.setattr(attn, "target_device", lambda: ("gpu", "NVIDIA H100 80GB HBM3"))
     assert resolve("auto", jnp.bfloat16, documents=True) == "flash"
@@ -196,6 +196,7 @@ def test_auto_picks_flash_for_documents_off_the_tpu(monkeypatch):
     assert resolve("auto", jnp.float32, documents=False) == "flash"
     monkeypatch.setattr(attn, "target_device", lambda: ("tpu", "TPU v5p"))
     assert resolve("auto", jnp.bfloat16, documents=True) == "splash"
+    assert resolve("pallas", jnp.bfloat16, documents=True) == "pallas"  # by name only (unmeasured on a GPU)
 
 
 def test_under_a_mesh_with_the_batch_split():
@@ -216,3 +217,21 @@ def test_under_a_mesh_with_the_batch_split():
                                                                   segment_ids=seg) ** 2), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
+
+
+def test_pallas_gpu_kernel_in_interpret_mode():
+    """JAX's Pallas GPU flash kernel ("pallas"), run as plain JAX on CPU: documents across its blocks, GQA (k, v
+    repeated), 100 tokens padded to its blocks; forward against the reference, gradients against xla. A sliding layer
+    goes to flash (the kernel has no window)."""
+    seg = jnp.asarray(segments([50, 30, 20]))
+    q, k, v = inputs(100, 4, 2, 16)
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, window=None, impl="pallas", segment_ids=seg)),
+                               reference(q, k, v, None, np.asarray(seg)), atol=2e-6, rtol=2e-5)
+    cot = jax.random.normal(jax.random.key(7), q.shape)
+    grads = [jax.grad(lambda *x, i=impl: jnp.sum(attention(*x, window=None, impl=i, segment_ids=seg) * cot),
+                      argnums=(0, 1, 2))(q, k, v) for impl in ("pallas", "xla")]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    sliding = attention(q, k, v, window=7, impl="pallas", segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(sliding), np.asarray(attention(q, k, v, window=7, impl="flash",
+                                                                             segment_ids=seg)))

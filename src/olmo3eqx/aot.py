@@ -38,6 +38,32 @@ OUT_OF_VMEM = re.compile(r"RESOURCE_EXHAUSTED: [^\n]*VmemOom.*?(Scoped allocatio
 """A kernel's scoped VMEM overflow (a splash block too large for the chip); its message spans lines."""
 
 
+GPU_NODES = {"h100": ("NVIDIA H100 80GB HBM3", 81559), "h200": ("NVIDIA H200", 143771)}
+"""GPU node targets `h100xN` / `h200xN`: the device kind and the memory per GPU in MiB as nvidia-smi reports it
+(H100 SXM 80 GB, H200 SXM 141 GB). JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says more."""
+GPU_TARGET = re.compile(r"^(h100|h200)x([0-9]+)$")
+
+
+@dataclass(frozen=True)
+class GpuNode:
+    """A GPU node planned on simulated CPU devices: the program is partitioned for `count` devices and compiled by
+    the CPU compiler (its memory analysis stands in for XLA:GPU's), with attention resolved as on a GPU."""
+
+    name: str
+    count: int
+    device_kind: str
+    hbm: float
+
+
+def gpu_node(target: str | None) -> GpuNode | None:
+    """The GPU node `target` names (`h100x8`, `h200x8`), None for anything else (a TPU topology)."""
+    found = GPU_TARGET.match(target or "")
+    if found is None:
+        return None
+    kind, mib = GPU_NODES[found.group(1)]
+    return GpuNode(target, int(found.group(2)), kind, float(mib * 2**20))
+
+
 def hbm_bytes(device_kind: str) -> float | None:
     """HBM per device of a TPU of this kind (HBM_GIB), None for other devices."""
     kind = device_kind.lower()
@@ -117,20 +143,27 @@ class StepReport:
         return out
 
 
-def compile_step(cfg: TrainConfig, layout) -> StepReport:
-    """Lower and compile `cfg`'s train step over `layout` (abstract inputs: nothing allocated) and measure it."""
+def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepReport:
+    """Lower and compile `cfg`'s train step over `layout` (abstract inputs: nothing allocated) and measure it; `gpu`:
+    the layout's simulated devices stand for that GPU node (attention planned as on its GPUs, its memory)."""
+    import contextlib
+
     import jax
 
+    from olmo3eqx.attention import planning_for
     from olmo3eqx.step import make_train_step
 
     devices = layout.mesh.devices.flatten()
     kind = devices[0].device_kind
     common = dict(devices=len(devices), device_kind=kind, hbm=hbm_bytes(kind) if devices[0].platform == "tpu"
                   else None)
+    if gpu is not None:
+        common.update(device_kind=f"{gpu.device_kind} (simulated: CPU compiler)", hbm=gpu.hbm)
     step = make_train_step(cfg, layout)
     start = time.perf_counter()
     try:
-        compiled = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
+        with planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext():
+            compiled = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
     except jax.errors.JaxRuntimeError as e:
         vmem, found = OUT_OF_VMEM.search(str(e)), OUT_OF_HBM.search(str(e))
         if vmem is None and found is None:

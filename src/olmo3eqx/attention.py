@@ -16,6 +16,9 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
 - "flash": the flash-attention algorithm in plain JAX (olmo3eqx.flash): blocks with an online softmax and a custom
   VJP that recomputes scores from the saved log-sum-exp, so memory grows linearly with the sequence on every
   platform; key blocks outside the causal triangle, the window or the documents are skipped, not masked.
+- "pallas": JAX's Pallas GPU flash-attention kernel (Triton; segment ids, causal block skipping) for global layers,
+  flash for sliding layers (the kernel has no window); on CPU it runs in Pallas interpret mode (tests). Chosen only
+  by name: its speed against flash on a GPU is not measured here (bench/gpu.py times both where a GPU is lent).
 - "splash": Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the TPU flash kernel
   that skips every all-masked [block_q, block_kv] block: a sliding layer is a LocalMask (W - 1, 0), a global layer
   a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default
@@ -42,6 +45,8 @@ the TPU kernel; without a mesh in context it is the default backend.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import typing
 
@@ -52,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from olmo3eqx.config import SPLASH_LANES, AttentionImpl, ConfigError
-from olmo3eqx.flash import flash_attention
+from olmo3eqx.flash import flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
@@ -68,9 +73,11 @@ WIDE_HEAD_SPLASH_BLOCKS = (("tpu7", 1024),)
 Ironwood's 32 MiB scoped VMEM in the forward kernel (XLA:TPU's CompileTimeScopedVmemOom, 7B step for tpu7x:4x4x4);
 1024 compiles. v5p's 512 compiles at 256 as it is."""
 DEFAULT_SPLASH_BLOCK = 512
-LONG_SEQUENCE = 8192
-"""On CPU without documents, "auto" picks blocked up to this many tokens and flash beyond (bench/bench_attention.py
---lengths: blocked is faster on this CPU at every length it fits, flash's memory is linear)."""
+LONG_SEQUENCE = 1024
+"""On CPU without documents, "auto" picks blocked up to this many tokens and flash beyond: on this 2-core CPU
+(bench/bench_attention.py --lengths, 4 heads x 64, one document, fwd+bwd) blocked is faster at 512 tokens (8 vs
+12 ms), even at 1024 (31 vs 24 ms median, 25 vs 24 best), and flash from 2048 on (121 vs 197 ms; 4096: 309 vs
+667 ms), with 1/10 to 1/30 of the memory."""
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
@@ -83,9 +90,27 @@ class DocumentMaskError(ConfigError):
     """A backend that cannot mask documents was asked to (a ConfigError: the commands stop with exit code 2)."""
 
 
+_PLANNED: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("planned", default=None)
+
+
+@contextlib.contextmanager
+def planning_for(platform: str, device_kind: str):
+    """Trace as if for `platform`'s devices while compiling for this host's (the dry run's GPU node plan on simulated
+    CPU devices, olmo3eqx.aot): "auto" resolves as there, and cuDNN, which the CPU compiler cannot build, is planned
+    with flash (the same algorithm: blocks, online softmax, recomputation; its memory stands in for cuDNN's)."""
+    token = _PLANNED.set((platform, device_kind))
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
 def target_device() -> tuple[str, str]:
     """(platform, device kind) of the devices the traced program compiles for: the abstract mesh in context, else
-    the default backend's."""
+    the default backend's (or what `planning_for` says)."""
+    planned = _PLANNED.get()
+    if planned is not None:
+        return planned
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
     if device is None:
@@ -129,7 +154,9 @@ def attention(
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
-    if backend == "flash":
+    if backend == "pallas" and window is None and _PLANNED.get() is None:
+        return pallas_gpu_attention(q, k, v, segment_ids=segment_ids, interpret=target_device()[0] != "gpu")
+    if backend in ("flash", "pallas") or backend == "cudnn" and _PLANNED.get() is not None:
         return flash_attention(q, k, v, window=window, segment_ids=segment_ids, block_q=block_q, block_kv=block_kv)
     if backend == "splash":
         return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)

@@ -23,7 +23,7 @@ SPLASH_LANES = 128
 """Splash attention's blocks are multiples of the TPU vector lane width."""
 Dtype = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
-AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "splash"]
+AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
 
 
 class ConfigError(ValueError):
@@ -150,13 +150,17 @@ class ModelConfig:
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: AttentionImpl = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
-    (fused flash attention, GPU only), blocked (window-aware blocks: sliding layers compute only the band),
-    splash (Pallas splash attention: the TPU kernel, interpreted on CPU); auto picks splash on TPU, cudnn on GPU
-    (bf16/fp16), blocked elsewhere."""
+    (fused flash attention, GPU only, no document masking), blocked (window-aware blocks: sliding layers compute
+    only the band), flash (the flash-attention algorithm in JAX: memory linear in the sequence, masked blocks
+    skipped; any platform), pallas (JAX's Pallas GPU flash kernel for global layers, flash for sliding ones;
+    interpreted on CPU), splash (Pallas splash attention: the TPU kernel, interpreted on CPU); auto picks splash on
+    TPU, flash for packed documents elsewhere, else cudnn on GPU (bf16/fp16), blocked on CPU up to 1,024 tokens
+    and flash beyond."""
     attention_block_q: int | None = None
-    """splash: query block (a multiple of 128); None: the chip generation's default (attention.SPLASH_BLOCKS)."""
+    """splash and flash: query block (a multiple of 128); None: splash's chip-generation default
+    (attention.SPLASH_BLOCKS), flash's flash.DEFAULT_BLOCK."""
     attention_block_kv: int | None = None
-    """splash: key/value block (a multiple of 128); None: the chip generation's default (attention.SPLASH_BLOCKS)."""
+    """splash and flash: key/value block (a multiple of 128); None: as attention_block_q."""
 
     def __post_init__(self):
         check_choices(self, "model")

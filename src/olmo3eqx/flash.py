@@ -40,10 +40,10 @@ MASKED = -0.7 * float(np.finfo(np.float32).max)
 """Score of a masked key (attention.MASKED: finite, so a row never becomes NaN)."""
 PAD_SEGMENT = -1
 """Segment of the positions the sequence is padded with (attention.PAD_SEGMENT)."""
-DEFAULT_BLOCK = 512
-"""Query and key block when none is given: the fastest of 128-1024 on this CPU for the 7B's shapes
-(bench/bench_flash.py), and the size GPU flash kernels use for the same head width is 64-128 (a GPU kernel tiles
-inside XLA's fusions either way)."""
+DEFAULT_BLOCK = 256
+"""Query and key block when none is given (model.attention_block_q/_kv override it): the fastest of 128, 256 and 512
+on this 2-core CPU (bench/bench_attention.py --lengths 2048 8192 --window 4096 --block B: fwd+bwd of 4 heads x 64
+with 4 documents, global layer 53/45/72 ms at 2048 and 615/431/442 ms at 8192). Not measured on a GPU or TPU."""
 
 
 def blocks_for(seq: int, block_q: int | None, block_kv: int | None) -> tuple[int, int, int]:
@@ -237,3 +237,41 @@ def flash_attention(
     # [nq, b, K, G, Bq, D] -> [b, nq*Bq, K*G, D]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, padded, heads, dim)[:, :seq]
     return out.reshape(*lead, seq, heads, dim)
+
+
+PALLAS_GPU_BLOCKS = (128, 64)
+"""(query block, key block) of the Pallas GPU kernel's forward pass, and 64 x 64 for its backward kernels: the
+kernel's own defaults for the forward (128 x 128) fit no 256-wide head in a GPU's shared memory, these do."""
+
+
+def pallas_gpu_attention(
+    q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
+    v: Float[Array, "*batch seq kv_heads dim"], *, segment_ids: Int[Array, "*batch seq"] | None = None,
+    interpret: bool = False,
+) -> Float[Array, "*batch seq heads dim"]:
+    """Causal (global) attention by JAX's Pallas GPU flash-attention kernel (`jax.experimental.pallas.ops.gpu.
+    attention.mha`: Triton on GPUs; `interpret` runs it as plain JAX, for tests on CPU). It masks documents by segment
+    ids and skips the blocks above the diagonal, but has no sliding window (attention.py routes sliding layers to
+    flash) and no grouped-query heads (k and v are repeated to q's heads: O(T) more memory). The sequence is padded
+    to the blocks with a segment of its own."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas
+
+    *lead, seq, heads, dim = q.shape
+    kv_heads = k.shape[-2]
+    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    k, v = (jnp.repeat(x, heads // kv_heads, axis=-2) for x in (k, v))
+    batch = q.shape[0]
+    bq, bk = (min(b, -(-seq // 16) * 16) for b in PALLAS_GPU_BLOCKS)
+    step = math.lcm(bq, bk, 64)
+    padded = -(-seq // step) * step
+    seg = None if segment_ids is None else segment_ids.reshape(batch, seq).astype(jnp.int32)
+    if padded != seq:
+        q, k, v = (jnp.pad(x, [(0, 0), (0, padded - seq), (0, 0), (0, 0)]) for x in (q, k, v))
+        seg = jnp.pad(jnp.zeros((batch, seq), jnp.int32) if seg is None else seg, [(0, 0), (0, padded - seq)],
+                      constant_values=PAD_SEGMENT)
+    small = min(64, bq, bk)
+    blocks = pallas.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=small, block_kv_dkv=small, block_q_dq=small,
+                               block_kv_dq=small)
+    out = pallas.mha(q, k, v, seg, sm_scale=1.0 / math.sqrt(dim), causal=True, block_sizes=blocks,
+                     interpret=interpret)
+    return out[:, :seq].reshape(*lead, seq, heads, dim)

@@ -32,7 +32,8 @@ Entry flags (before the others):
   --config PATH           YAML preset (default: configs/tiny.yaml)
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
-                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu)
+                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan a GPU node
+                          (h100x8, h200x8: simulated CPU devices, the CPU compiler's memory against the GPUs')
   --until-done            supervise: relaunch this command after a crash or preemption until it finishes
   --retry-backoff S       with --until-done: seconds to wait after a crash (default 300)
   --max-restarts N        with --until-done: give up after N relaunches (default 20)
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None = None):
     pre.add_argument("--retry-backoff", type=float, default=300.0)
     pre.add_argument("--max-restarts", type=int, default=20)
     opts, rest = pre.parse_known_args(argv)
+    from olmo3eqx.aot import gpu_node
+
+    node = gpu_node(opts.target)
+    if node is not None:
+        opts.simulated_devices = node.count
     if opts.simulated_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -143,13 +149,19 @@ def dry_run(cfg, target: str | None = None) -> None:
     import yaml
 
     from olmo3eqx import aot, flops
-    from olmo3eqx.config import to_dict
+    from olmo3eqx.config import ConfigError, to_dict
     from olmo3eqx.sharding import build_layout
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
     m, seq = cfg.model, cfg.data.seq_len
-    devices = aot.topology_devices(target) if target else jax.devices()
+    gpu = aot.gpu_node(target)
+    devices = aot.topology_devices(target) if target and gpu is None else jax.devices()
+    if gpu is not None:
+        if len(devices) < gpu.count:
+            raise ConfigError(f"--target {target} plans on {gpu.count} simulated devices but JAX has {len(devices)}: "
+                              f"JAX started before train.py could ask for them (run train.py as its own process).")
+        devices = devices[:gpu.count]
     layout = build_layout(cfg, devices)
     plan = layout.plan
     per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
@@ -167,25 +179,40 @@ def dry_run(cfg, target: str | None = None) -> None:
     print(f"mesh:                  {dict(layout.mesh.shape)}")
     print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
-    print(f"attention:             {attention_backend(cfg, layout)}")
-    print("\n".join(aot.compile_step(cfg, layout).lines()))
+    print(f"attention:             {attention_backend(cfg, layout, gpu)}")
+    if gpu is not None:
+        print(f"GPU node plan:         {gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
+              f"{gpu.count} simulated CPU devices: XLA:CPU's memory analysis of the same partitioned program stands in "
+              f"for XLA:GPU's (an estimate: the two compilers fuse and schedule differently)")
+    print("\n".join(aot.compile_step(cfg, layout, gpu).lines()))
 
 
-def attention_backend(cfg, layout) -> str:
-    """The attention backend the compiled step uses on the layout's devices (model.attention_impl resolved)."""
+def attention_backend(cfg, layout, gpu=None) -> str:
+    """The attention backend the compiled step uses on the layout's devices (model.attention_impl resolved for the
+    run's batches: documents masked when data.packing), or on the GPU node `gpu` plans for."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
 
-    from olmo3eqx.attention import resolve, splash_blocks
+    from olmo3eqx.attention import planning_for, resolve, splash_blocks
+    from olmo3eqx.flash import blocks_for
     from olmo3eqx.model import DTYPE
 
-    m = cfg.model
-    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
-        backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]))
+    m, seq = cfg.model, cfg.data.seq_len
+    masked = " (documents masked)" if cfg.data.packing else ""
+    with (jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh),
+          planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext()):
+        backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]), documents=cfg.data.packing, seq=seq)
+        if backend == "flash":
+            _, bq, bkv = blocks_for(seq, m.attention_block_q, m.attention_block_kv)
+            return f"flash, blocks {bq} x {bkv}{masked}"
+        if backend == "cudnn" and gpu is not None:
+            return "cudnn (planned here with flash's memory: the CPU compiler cannot build cuDNN's kernel)"
         if backend != "splash":
-            return backend
-        _, bq, bkv = splash_blocks(cfg.data.seq_len, m.attention_block_q, m.attention_block_kv, m.head_dim)
-    return f"splash, blocks {bq} x {bkv} (Pallas kernels count 0 in XLA's FLOPs)"
+            return backend + masked
+        _, bq, bkv = splash_blocks(seq, m.attention_block_q, m.attention_block_kv, m.head_dim)
+    return f"splash, blocks {bq} x {bkv}{masked} (Pallas kernels count 0 in XLA's FLOPs)"
 
 
 class Preemption:
