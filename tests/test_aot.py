@@ -108,7 +108,7 @@ def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     node, memory is judged against an H100's; h200x4 takes the first 4; more GPUs than devices is one sentence."""
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # train.py asks for simulated devices there: restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, ""))
-    flags = ["--dry-run", "--model.num-hidden-layers", "4", "--data.seq-len", "256", "--data.packing"]
+    flags = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "256", "--data.packing"]
     assert main([*flags, "--target", "h100x8"]) == 0
     out = capsys.readouterr().out
     assert "attention:             flash, blocks 256 x 256 (documents masked)" in out

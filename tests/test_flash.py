@@ -51,7 +51,7 @@ def test_wrong_window_is_detected():
     np.testing.assert_allclose(out, reference(q, k, v, 6), atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("window", [None, 5])
 def test_bfloat16_close_to_reference_and_xla(window):
     q, k, v = inputs(64, 8, 2, 16, jnp.bfloat16)
     ours = jax.jit(flash(window, (16, 16)))(q, k, v)
@@ -69,8 +69,7 @@ def test_bfloat16_close_to_reference_and_xla(window):
         np.testing.assert_allclose(a, b, atol=0.1 * np.abs(b).max(), rtol=5e-2)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=str)
-@pytest.mark.parametrize("case", DOC_CASES, ids=str)
+@pytest.mark.parametrize(("case", "block"), [(c, BLOCKS[i % 2]) for i, c in enumerate(DOC_CASES)], ids=str)
 def test_documents_match_reference_and_xla(case, block):
     """Several documents per row, one spanning block borders, a one-token document, padding (an id of its own)."""
     heads, kv_heads, dim, window, lengths = case

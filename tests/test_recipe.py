@@ -19,7 +19,7 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import CosWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
 
 from olmo3eqx.config import ModelConfig, load_yaml
-from olmo3eqx.model import abstract_model
+from olmo3eqx.model import abstract_model, num_params
 from olmo3eqx.optim import decay_mask
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -157,3 +157,33 @@ def test_stage3_preset_is_long_context_script():
     ref = LinearWithWarmup(warmup=LONG_WARMUP, alpha_f=0.0)
     for s in (1, 100, 199, 200, 201, 5000, 11920, 11921):
         assert float(ours(s)) == pytest.approx(float(ref.get_lr(LONG_LR, s, cfg.steps)), rel=1e-5, abs=1e-12), s
+
+
+# OLMo-3-1025-32B-pretrain.py (stage 1 of the 32B): TransformerConfig.olmo3_32B(vocab_size=dolma2's padded 100352)
+PRETRAIN_32B_GLOBAL_BATCH_TOKENS = 8 * 1024 * 1024  # GLOBAL_BATCH_SIZE
+PRETRAIN_32B_LR = 6e-4  # LR
+EPOCH_INSTANCES = PRETRAIN_STEPS * PRETRAIN_GLOBAL_BATCH_TOKENS // PRETRAIN_SEQUENCE_LENGTH  # max_duration: 1 epoch
+
+
+def test_32b_preset_is_olmo_cores_olmo3_32b_and_its_pretrain_script():
+    cfg = load_yaml(CONFIGS / "olmo3-32b-stage1.yaml")
+    oc = TransformerConfig.olmo3_32B(vocab_size=100352)
+    m, attn = cfg.model, oc.block.sequence_mixer
+    assert (m.vocab_size, m.hidden_size, m.num_hidden_layers) == (100352, oc.d_model, oc.n_layers)
+    assert (m.num_attention_heads, m.num_key_value_heads, m.head_dim) == (attn.n_heads, attn.n_kv_heads,
+                                                                          oc.d_model // attn.n_heads)
+    assert m.intermediate_size == oc.block.feed_forward.hidden_size and m.rope_theta == attn.rope.theta
+    # OLMo-core's per-layer window: the pattern repeated, the last layer forced global
+    window = attn.sliding_window
+    windows = [window.pattern[i % len(window.pattern)] for i in range(oc.n_layers)]
+    if window.force_full_attention_on_last_layer:
+        windows[-1] = -1
+    assert [w == -1 for w in windows] == [t == "full_attention" for t in m.resolved_layer_types]
+    assert {w for w in windows if w != -1} == {m.sliding_window}
+    assert num_params(abstract_model(m)) == oc.num_params == 32_234_279_936
+    check_optimizer(cfg.optim, PRETRAIN_32B_LR)
+    assert cfg.optim.warmup_steps == PRETRAIN_WARMUP and cfg.optim.schedule == "cosine"
+    assert cfg.optim.final_lr_ratio == package_defaults()["final_lr_ratio"]
+    assert cfg.data.seq_len * cfg.data.global_batch == PRETRAIN_32B_GLOBAL_BATCH_TOKENS
+    assert cfg.steps * cfg.data.global_batch == EPOCH_INSTANCES  # one epoch, as the 7B's
+    assert cfg.data.mix == load_yaml(CONFIGS / "olmo3-7b-stage1.yaml").data.mix

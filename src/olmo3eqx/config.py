@@ -22,7 +22,9 @@ FULL = "full_attention"
 SPLASH_LANES = 128
 """Splash attention's blocks are multiples of the TPU vector lane width."""
 Dtype = Literal["float32", "bfloat16", "float16"]
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minimal_with_context",
+                      "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp",
+                      "save_qkv_proj", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded"]
 AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
 
 
@@ -143,7 +145,12 @@ class ModelConfig:
     remat: RematPolicy = "dots"
     """Per-block rematerialisation: none (save every intermediate), full (save only the block input), dots (save
     matmul outputs, recompute the elementwise work between them), dots_no_batch (also recompute attention's
-    batched matmuls). dots is the default because in a layer scan none stacks ~50 arrays per layer (measured by
+    batched matmuls). MaxText's named policies save only the activations they name (model.SAVED_NAMES): minimal
+    (q/k/v projections, o_proj's output, the MLP's three projections), minimal_with_context (and attention's
+    output), save_dot_with_context_except_mlp (q/k/v, attention's output, o_proj's), save_dot_except_mlpwi (q/k/v,
+    o_proj's, the MLP's down projection), save_dot_except_mlp (q/k/v, o_proj's), save_qkv_proj (q/k/v),
+    save_out_proj (o_proj's); qkv_proj_offloaded and minimal_offloaded keep save_qkv_proj's / minimal's in host
+    memory instead. dots is the default because in a layer scan none stacks ~50 arrays per layer (measured by
     bench/bench_step.py and bench/bench_memory.py; docs/performance.md)."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats: more than once,

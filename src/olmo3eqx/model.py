@@ -23,6 +23,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from olmo3eqx.attention import attention, target_device
@@ -36,11 +37,36 @@ not listed: any repeat scans). Remat none stacks ~50 residuals per layer in a sc
 over two periods saves; with dots only the matmul outputs are stacked and the scan pays from two periods on.
 bench/bench_compile.py and bench/bench_step.py measure both (docs/performance.md)."""
 
-REMAT = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+QKV = ("query_proj", "key_proj", "value_proj")
+MINIMAL = (*QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+SAVED_NAMES = {
+    "minimal": MINIMAL,
+    "minimal_with_context": (*MINIMAL, "context"),
+    "save_dot_with_context_except_mlp": (*QKV, "context", "out_proj"),
+    "save_dot_except_mlpwi": (*QKV, "out_proj", "mlpwo"),
+    "save_dot_except_mlp": (*QKV, "out_proj"),
+    "save_qkv_proj": QKV,
+    "save_out_proj": ("out_proj",),
 }
+"""The named remat policies (MaxText's remat_policy values and names): the activations each keeps for the backward
+pass, everything else in the block recomputed. The model names them with `checkpoint_name`: query_proj, key_proj,
+value_proj (the q/k/v projections' outputs, before QK-norm and RoPE), context (attention's output, before o_proj),
+out_proj (o_proj's output), mlpwi_0 / mlpwi_1 (the MLP's gate and up projections), mlpwo (its down projection)."""
+OFFLOADED_NAMES = {"qkv_proj_offloaded": QKV, "minimal_offloaded": MINIMAL}
+"""Named policies that keep their activations in host memory (pinned_host) instead of the device's, copied there
+in the forward pass and back for the backward pass (save_and_offload_only_these_names)."""
+
+
+def remat_policy(name: str):
+    """The jax.checkpoint policy of model.remat `name` ("none" is no checkpoint at all)."""
+    if name in SAVED_NAMES:
+        return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[name])
+    if name in OFFLOADED_NAMES:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED_NAMES[name]),
+            offload_src="device", offload_dst="pinned_host")
+    return {"full": jax.checkpoint_policies.nothing_saveable, "dots": jax.checkpoint_policies.dots_saveable,
+            "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
 
 
 def trunc_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:
@@ -200,13 +226,18 @@ class Attention(eqx.Module):
         """q, k, v with QK-norm and RoPE applied: what attention (and a KV cache, olmo3eqx.decode) takes."""
         lead = x.shape[:-1]
         # QK-norm over the full projections, before splitting heads and before RoPE.
-        q = self.q_norm(self.q_proj(x)).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_norm(self.k_proj(x)).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        q = self.q_norm(checkpoint_name(self.q_proj(x), "query_proj"))
+        k = self.k_norm(checkpoint_name(self.k_proj(x), "key_proj"))
+        v = checkpoint_name(self.v_proj(x), "value_proj")
+        q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
         return rope(q, table), rope(k, table), v
 
     def output(self, out: Float[Array, "*batch seq heads dim"], cfg: ModelConfig) -> Float[Array, "*batch seq hidden"]:
-        return self.o_proj(out.reshape(*out.shape[:-2], cfg.num_attention_heads * cfg.head_dim))
+        out = checkpoint_name(out, "context")
+        return checkpoint_name(self.o_proj(out.reshape(*out.shape[:-2], cfg.num_attention_heads * cfg.head_dim)),
+                               "out_proj")
 
     def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
                  segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
@@ -232,7 +263,9 @@ class MLP(eqx.Module):
         )
 
     def __call__(self, x: Float[Array, "*batch seq hidden"]) -> Float[Array, "*batch seq hidden"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = checkpoint_name(self.gate_proj(x), "mlpwi_0")
+        up = checkpoint_name(self.up_proj(x), "mlpwi_1")
+        return checkpoint_name(self.down_proj(jax.nn.silu(gate) * up), "mlpwo")
 
 
 class Block(eqx.Module):
@@ -319,7 +352,7 @@ class OLMo3(eqx.Module):
             def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
                 return blk(h, cfg, s, table, seg)
             if cfg.remat != "none":
-                f = jax.checkpoint(f, policy=REMAT[cfg.remat])
+                f = jax.checkpoint(f, policy=remat_policy(cfg.remat))
             block_fns.append(f)
 
         def run_group(x: Array, group: Block) -> Array:
