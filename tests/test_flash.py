@@ -219,6 +219,7 @@ def test_under_a_mesh_with_the_batch_split():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # 10-16 s in Pallas interpret mode; -m slow
 def test_pallas_gpu_kernel_in_interpret_mode():
     """JAX's Pallas GPU flash kernel ("pallas"), run as plain JAX on CPU: documents across its blocks, GQA (k, v
     repeated), 100 tokens padded to its blocks; forward against the reference, gradients against xla. A sliding layer
