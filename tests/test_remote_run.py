@@ -117,6 +117,13 @@ def gs_run(setup, reference, stores, tmp_path_factory):
         time.sleep(3)
         waiting = second.poll() is None  # it cannot finish without the store: its last writes are waiting
     code, err = finish(second)
+    if code == 74 and "upload_id=" in err:
+        # The outage cut the connection after a resumable upload's last chunk reached the emulator: gcsfs retries
+        # the chunk and fake-gcs-server, which has closed that session, answers 404 (real GCS answers a finished
+        # session with the object), so the run stops with exit 74 as designed. What an operator (or --until-done)
+        # does then: relaunch; it resumes from the last committed checkpoint. Seen in 1 of 3 clean-clone CI runs.
+        code, more = finish(launch(cfg, root, cwd, *data))
+        err += more
     assert waiting and code == 0, err[-3000:]
     return {"root": root, "run": run, "cwd": cwd, "stderr": err, "cfg": cfg, "data": data}
 
