@@ -52,18 +52,15 @@ import typing
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from olmo3eqx.config import SPLASH_LANES, AttentionImpl, ConfigError
-from olmo3eqx.flash import flash_attention, pallas_gpu_attention
+from olmo3eqx.flash import MASKED, PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
 """Query blocks of a global layer: block i attends to key blocks 0..i, so (n+1)/2n = 5/8 of T x T is computed."""
-MASKED = -0.7 * float(np.finfo(np.float32).max)
-"""Score of a masked key: finite (a row is never all -inf, so no NaN) and far below any real score."""
 SPLASH_BLOCKS = (("tpu7", 2048),)
 """Default splash block (query and key/value) per chip generation, by substring of the lower-cased device kind, as
 the MaxText reproduction of OLMo 3 found them: 2048 on TPU v7 (Ironwood); 2048 does not fit v5p's VMEM (the
@@ -81,9 +78,6 @@ LONG_SEQUENCE = 1024
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
-PAD_SEGMENT = -1
-"""Segment id of the positions a backend pads the sequence with: a segment of its own, so a padded query still
-sees itself (no all-masked row) and no real query sees padding."""
 
 
 class DocumentMaskError(ConfigError):

@@ -37,9 +37,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 MASKED = -0.7 * float(np.finfo(np.float32).max)
-"""Score of a masked key (attention.MASKED: finite, so a row never becomes NaN)."""
+"""Score of a masked key, for every backend that masks scores itself (attention.py imports it): finite (a row is
+never all -inf, so no NaN) and far below any real score."""
 PAD_SEGMENT = -1
-"""Segment of the positions the sequence is padded with (attention.PAD_SEGMENT)."""
+"""Segment id of the positions a backend pads the sequence with, for every backend (attention.py imports it): a
+segment of its own, so a padded query still sees itself (no all-masked row) and no real query sees padding."""
 DEFAULT_BLOCK = 256
 """Query and key block when none is given (model.attention_block_q/_kv override it): the fastest of 128, 256 and 512
 on this 2-core CPU (bench/bench_attention.py --lengths 2048 8192 --window 4096 --block B: fwd+bwd of 4 heads x 64
