@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from olmo3eqx import aot, jaxenv
-from olmo3eqx.config import ConfigError, load_yaml
+from olmo3eqx.config import ConfigError, MeshConfig, load_yaml
 from olmo3eqx.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +40,19 @@ def test_gpu_flags_are_known_to_this_xla():
     assert ok.returncode == 0 and ok.stdout.strip() == "4.0", ok.stderr
     bad = run_python(code, {**env, "XLA_FLAGS": env["XLA_FLAGS"] + " --xla_gpu_no_such_flag=true"})
     assert bad.returncode != 0 and "Unknown flag" in bad.stderr
+
+
+def test_tpu_flags_by_chip_and_setting():
+    ironwood = jaxenv.tpu_flags("auto", "TPU7x", {})
+    assert ironwood["xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"] == "true"
+    assert ironwood["xla_tpu_scoped_vmem_limit_kib"] == "65536" and len(ironwood) == len(jaxenv.IRONWOOD_XLA_FLAGS)
+    assert jaxenv.tpu_flags("auto", "TPU v5", {})["xla_tpu_enable_async_collective_fusion_fuse_all_gather"] == "true"
+    assert jaxenv.tpu_flags("auto", "TPU v5 lite", {}) == {} and jaxenv.tpu_flags("auto", "cpu", {}) == {}
+    assert jaxenv.tpu_flags("none", "TPU7x", {}) == {}
+    assert jaxenv.tpu_flags("--xla_a=1 --xla_b=x", "TPU v5", {}) == {"xla_a": "1", "xla_b": "x"}
+    assert jaxenv.tpu_flags("auto", "TPU7x", {"LIBTPU_INIT_ARGS": "--xla_x=1"}) == {}  # the user's flags instead
+    with pytest.raises(ConfigError, match=r"mesh.tpu_flags must be .*'xla_a=1' is not --name=value"):
+        MeshConfig(tpu_flags="xla_a=1")
 
 
 def test_prepare_decides_platforms_and_gpu_flags():
@@ -140,6 +153,8 @@ def test_tiny_dry_run_for_a_tpu_topology(capsys):
     attention = number_after(out, "windowed, of which attention")
     assert number_after(out, "compiled FLOPs:") == pytest.approx(model - attention, rel=0.05)
     assert "compile time:" in out
+    predicted = re.search(r"predicted step time: +([\d.]+) s per step \(XLA:TPU's cost model, not a measurement", out)
+    assert predicted and "MFU" in out and "splash kernels" in out and "step as compiled" in out
 
 
 @needs_libtpu
@@ -177,8 +192,23 @@ def test_splash_blocks_over_the_scoped_vmem_are_reported_and_the_default_fits():
     cfg = dataclasses.replace(base, model=model, data=dataclasses.replace(base.data, seq_len=8192, global_batch=32),
                               mesh=dataclasses.replace(base.mesh, max_per_device_batch=4))
     wide = dataclasses.replace(cfg, model=dataclasses.replace(model, attention_block_q=2048, attention_block_kv=2048))
-    over = aot.compile_for(wide, "tpu7x:2x2x1")
+    default_vmem = dataclasses.replace(wide, mesh=dataclasses.replace(cfg.mesh, tpu_flags="none"))
+    over = aot.compile_for(default_vmem, "tpu7x:2x2x1")
     assert over.fits is False and "scoped VMEM" in over.out_of_memory, over.out_of_memory
     assert "does not fit" in over.lines()[0]
-    fits = aot.compile_for(cfg, "tpu7x:2x2x1")
+    fits = aot.compile_for(dataclasses.replace(cfg, mesh=default_vmem.mesh), "tpu7x:2x2x1")
     assert fits.out_of_memory is None and fits.fits, fits.lines()
+    # The reproduction's Ironwood flags (mesh.tpu_flags auto) raise the scoped VMEM to 64 MiB: 2048 then compiles.
+    recipe = aot.compile_for(wide, "tpu7x:2x2x1")
+    assert recipe.out_of_memory is None and recipe.fits, recipe.lines()
+
+
+@needs_libtpu
+@pytest.mark.tpu
+def test_tpu_flags_libtpu_does_not_know_are_one_sentence(capsys):
+    for flags, said in (("--xla_tpu_no_such_flag=true", "No such compile option: 'xla_tpu_no_such_flag'"),
+                        ("--xla_tpu_enable_sparse_core_collective_offload_all_gather=maybe", "Failed to parse 'maybe'")):
+        assert main(["--dry-run", "--target", "tpu7x:2x2x1", f"--mesh.tpu-flags={flags}"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "mesh.tpu_flags: XLA:TPU on TPU7x refuses them" in err, err
+        assert said in err

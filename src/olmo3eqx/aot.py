@@ -108,6 +108,10 @@ class StepReport:
     attention) as 0. On a program without loops and with XLA's attention it is the whole step (tests/test_aot.py)."""
     out_of_memory: str | None = None
     """XLA:TPU's own message when it refused the program for lack of memory."""
+    prediction: object | None = None
+    """XLA:TPU's predicted step time, every loop counted (olmo3eqx.costmodel.Prediction); TPU targets only."""
+    prediction_error: str | None = None
+    """Why a TPU step has no prediction (the cost model gave no usable figure)."""
 
     @property
     def fits(self) -> bool | None:
@@ -139,6 +143,10 @@ class StepReport:
             out.append(f"compiled FLOPs:        {self.flops / 1e12:,.4g} TFLOP per device-step as XLA counts them: "
                        f"recomputation included, each loop body once (layer scan, micro-batches, loss chunks), "
                        f"Pallas kernels (splash) as 0")
+        if self.prediction is not None:
+            out.extend(self.prediction.lines())
+        elif self.prediction_error is not None:
+            out.append(f"predicted step time:   none ({self.prediction_error})")
         out.append(f"compile time:          {self.compile_s:.1f} s")
         return out
 
@@ -180,7 +188,16 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
         memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     cost = compiled.cost_analysis()
     flops = cost.get("flops") if isinstance(cost, dict) else None
-    return StepReport(compile_s=compile_s, memory=memory, flops=flops, **common)
+    prediction = error = None
+    if devices[0].platform == "tpu":
+        from olmo3eqx.costmodel import CostModelError, predict
+
+        try:
+            prediction = predict(cfg, layout, compiled)
+        except CostModelError as e:
+            error = str(e)
+    return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
+                      prediction_error=error, **common)
 
 
 def compile_for(cfg: TrainConfig, topology: str) -> StepReport:

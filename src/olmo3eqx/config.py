@@ -339,8 +339,20 @@ class MeshConfig:
     """Tensor parallel: projections split by column/row."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
+    tpu_flags: str = "auto"
+    """XLA:TPU flags the train step compiles with on TPUs (and for a --target topology): "auto" (the chip's recipe
+    flags, olmo3eqx.jaxenv.TPU_XLA_FLAGS: SparseCore collective offload on Ironwood, continuation fusion on v5p),
+    "none", or your own as "--xla_name=value ...". Not applied when LIBTPU_INIT_ARGS is set; a flag libtpu does not
+    know is refused before the run starts."""
 
     def __post_init__(self):
+        if self.tpu_flags not in ("auto", "none"):
+            from olmo3eqx.jaxenv import parse_tpu_flags
+
+            try:
+                parse_tpu_flags(self.tpu_flags)
+            except ValueError as e:
+                raise ConfigError(f"mesh.tpu_flags must be 'auto', 'none' or '--xla_name=value ...': {e}.") from None
         sizes = (self.data, self.fsdp, self.tensor)
         if sizes.count(-1) > 1:
             raise ConfigError("At most one of mesh.data, mesh.fsdp, mesh.tensor may be -1 (the rest of the devices).")

@@ -33,6 +33,63 @@ GPU_XLA_FLAGS = (
 known to the installed jaxlib (tests/test_aot.py starts XLA with them: an unknown flag aborts XLA)."""
 NVIDIA_NODES = "/dev/nvidia[0-9]*"
 
+IRONWOOD_XLA_FLAGS = (
+    "--xla_tpu_scoped_vmem_limit_kib=65536",  # 64 MiB of VMEM per op (default 32): larger splash blocks fit
+    "--xla_tpu_bf16_emission_mode=NATIVE_EMISSION",
+    "--xla_tpu_dvfs_p_state=7",  # the chip's highest power state
+    # FSDP's collectives on the SparseCores, off the TensorCores: all-gather (1-D and 2-D), reduce-scatter, all-reduce
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+    "--xla_tpu_use_tc_device_shape_on_sc=true",
+    "--xla_sc_disable_megacore_partitioning=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",  # the all-gathers go to the SparseCores
+)
+"""XLA:TPU flags of the MaxText reproduction's Ironwood stage-1 launcher (run_olmo3_7b_stage1.sh, credited there with
+27% -> 44.5% MFU together with its remat and splash blocks): SparseCore collective offload, 64 MiB scoped VMEM."""
+V5P_XLA_FLAGS = (
+    "--xla_tpu_scoped_vmem_limit_kib=98304",  # MaxText's dense-model VMEM limit (xla_flags_library)
+    # Continuation fusion: FSDP's all-gathers overlapped with the compute of the layer before (MaxText's
+    # CF_FOR_ALL_GATHER), and the data-parallel collectives pipelined across iterations (DATA_PARALLEL_OVERLAP).
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+)
+"""XLA:TPU flags for v5p from MaxText's flag library (benchmarks/xla_flags_library.py) as its dense-model recipes
+combine them: the VMEM limit, continuation fusion for all-gathers, data-parallel overlap."""
+TPU_XLA_FLAGS = (("tpu7", IRONWOOD_XLA_FLAGS), ("tpu v5 lite", ()), ("tpu v5", V5P_XLA_FLAGS))
+"""mesh.tpu_flags "auto": the flags by substring of the lower-cased device kind (first match wins; v5e, v6e and v4
+get none). The train step compiles with them as compiler options (olmo3eqx.step), unless LIBTPU_INIT_ARGS is set:
+then libtpu's own flags are the user's, and ours are not added."""
+
+
+def parse_tpu_flags(text: str) -> dict[str, str]:
+    """"--name=value --other=value" -> {name: value}; ValueError naming the first token that is not --name=value."""
+    flags = {}
+    for token in text.split():
+        name, eq, value = token.removeprefix("--").partition("=")
+        if not token.startswith("--") or not eq or not name or not value:
+            raise ValueError(f"{token!r} is not --name=value")
+        flags[name] = value
+    return flags
+
+
+def tpu_flags(setting: str, device_kind: str, env: MutableMapping[str, str]) -> dict[str, str]:
+    """The XLA:TPU flags the train step compiles with for mesh.tpu_flags `setting` ("auto", "none" or flags) on
+    devices of `device_kind`: none off TPUs and when the user set LIBTPU_INIT_ARGS (see TPU_XLA_FLAGS)."""
+    if setting == "none" or env.get("LIBTPU_INIT_ARGS", "").strip() or "tpu" not in device_kind.lower():
+        return {}
+    if setting != "auto":
+        return parse_tpu_flags(setting)
+    kind = device_kind.lower()
+    flags = next((f for key, f in TPU_XLA_FLAGS if key in kind), ())
+    return parse_tpu_flags(" ".join(flags))
+
 
 def nvidia_gpu_host(env: MutableMapping[str, str]) -> bool:
     """Whether JAX will run on NVIDIA GPUs: JAX_PLATFORMS names cuda/gpu, or it is unset and the device files exist."""

@@ -8,6 +8,7 @@ logits for a whole batch never exist at once. Everything takes the batch as lead
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -43,6 +44,33 @@ def loss_chunk(batch: int, seq: int, vocab: int) -> int:
     return max(c for c in range(1, seq + 1) if seq % c == 0 and c <= limit)
 
 
+def local_rows(batch: int) -> int:
+    """Rows of a [batch, ...] array on each device when traced under a mesh (olmo3eqx.sharding.on_mesh), whose
+    batch axes (data x fsdp) split it; `batch` itself outside a mesh or when they do not divide it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return batch
+    shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp"))
+    return batch // shards if batch % shards == 0 else batch
+
+
+def chunk_plan(batch: int, seq: int, vocab: int) -> tuple[int, int]:
+    """(positions per chunk, chunks) of map_logits for [batch, seq] inputs traced here: the logits budget is per
+    device (a 7B global batch of 512 rows on 128 devices unembeds 4 rows x 128 positions at a time, not 1 position)."""
+    chunk = loss_chunk(local_rows(batch), seq, vocab)
+    return chunk, seq // chunk
+
+
+def unembed_then(fn: Callable, lm_head: Float[Array, "d v"]) -> Callable:
+    """(hidden [b, c, d], ys [b, c]) -> fn(float32 logits, ys): one chunk of map_logits."""
+
+    def unembed_then_fn(h, y):
+        logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        return fn(logits, y)
+
+    return unembed_then_fn
+
+
 def map_logits(fn: Callable, hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], ys: Int[Array, "b s"], *,
                remat: bool) -> tuple[Array, ...]:
     """fn(float32 logits [b, c, v], ys [b, c]) -> per-position outputs [b, c], applied over the sequence `chunk`
@@ -51,12 +79,8 @@ def map_logits(fn: Callable, hidden: Float[Array, "b s d"], lm_head: Float[Array
     With `remat` and several chunks the chunk function is rematerialised, so a backward pass never holds more
     than one chunk of logits; when the whole sequence is one chunk its logits are kept instead of computed twice."""
     b, s, _ = hidden.shape
-    chunk = loss_chunk(b, s, lm_head.shape[1])
-
-    def unembed_then_fn(h, y):
-        logits = jnp.einsum("bcd,dv->bcv", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
-        return fn(logits, y)
-
+    chunk, _ = chunk_plan(b, s, lm_head.shape[1])
+    unembed_then_fn = unembed_then(fn, lm_head)
     if chunk == s:
         return unembed_then_fn(hidden, ys)
     chunk_fn = jax.checkpoint(unembed_then_fn) if remat else unembed_then_fn
@@ -70,13 +94,18 @@ def token_losses(
     hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
 ) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
     """Per-token cross-entropy and z-loss (`z_loss * logsumexp(logits)^2`) in float32."""
+    return map_logits(ce_and_z(z_loss), hidden, lm_head, labels, remat=True)
 
-    def ce_and_z(logits, y):
+
+def ce_and_z(z_loss: float) -> Callable:
+    """fn(float32 logits [b, c, v], labels [b, c]) -> (cross-entropy, z-loss) per position."""
+
+    def fn(logits, y):
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return lse - picked, z_loss * jnp.square(lse)
 
-    return map_logits(ce_and_z, hidden, lm_head, labels, remat=True)
+    return fn
 
 
 def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"], z_loss: float,

@@ -337,29 +337,14 @@ class OLMo3(eqx.Module):
         model = cast_floating(self, DTYPE[cfg.compute_dtype])
         x = model.embed[tokens]
         types = cfg.resolved_layer_types
-        period = layer_period(types) if cfg.scan_layers else cfg.num_hidden_layers
-        if cfg.num_hidden_layers // period <= MAX_UNROLLED_GROUPS.get(cfg.remat, 1):
-            period = cfg.num_hidden_layers  # too few repeats for a scan to pay (see MAX_UNROLLED_GROUPS)
-        groups = cfg.num_hidden_layers // period
+        period, groups = scan_groups(cfg)
         # Outside the scan: each kind's table is computed once, not once per layer.
         tables = rope_tables(tokens.shape[-1], cfg)
         if segment_ids is not None:
             positions = document_positions(segment_ids)
             tables = {kind: table.at(positions) for kind, table in tables.items()}
 
-        block_fns: list[Callable] = []
-        for kind in types[:period]:
-            def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
-                return blk(h, cfg, s, table, seg)
-            if cfg.remat != "none":
-                f = jax.checkpoint(f, policy=remat_policy(cfg.remat))
-            block_fns.append(f)
-
-        def run_group(x: Array, group: Block) -> Array:
-            for j, (f, kind) in enumerate(zip(block_fns, types[:period])):
-                x = f(jax.tree.map(lambda a: a[j], group), x, tables[kind], segment_ids)
-            return x
-
+        run_group = layer_group(cfg, types[:period], tables, segment_ids)
         stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)
         if groups > 1:
             x, _ = jax.lax.scan(lambda h, g: (run_group(h, g), None), x, stacked)
@@ -373,6 +358,37 @@ class OLMo3(eqx.Module):
         h = self.hidden(tokens, segment_ids)
         w = self.lm_head.weight.astype(h.dtype)
         return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+
+
+def scan_groups(cfg: ModelConfig) -> tuple[int, int]:
+    """(layers per scan step, scan steps): the layers run as a scan over `groups` repeats of `period` layers, or,
+    with groups == 1, as one unrolled group (a pattern without a shorter period, too few repeats for a scan to pay:
+    MAX_UNROLLED_GROUPS, or scan_layers off)."""
+    period = layer_period(cfg.resolved_layer_types) if cfg.scan_layers else cfg.num_hidden_layers
+    if cfg.num_hidden_layers // period <= MAX_UNROLLED_GROUPS.get(cfg.remat, 1):
+        period = cfg.num_hidden_layers  # too few repeats for a scan to pay (see MAX_UNROLLED_GROUPS)
+    return period, cfg.num_hidden_layers // period
+
+
+def layer_group(cfg: ModelConfig, kinds: tuple[str, ...], tables: dict, segment_ids: Array | None
+                ) -> Callable[[Array, Block], Array]:
+    """run(x, group) -> x after one period of layers (`kinds`, each checkpointed with cfg.remat's policy); `group`:
+    the period's blocks stacked on a leading axis. The body of the layer scan, and what olmo3eqx.costmodel compiles
+    alone to count it once per trip."""
+    block_fns: list[Callable] = []
+    for kind in kinds:
+        def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
+            return blk(h, cfg, s, table, seg)
+        if cfg.remat != "none":
+            f = jax.checkpoint(f, policy=remat_policy(cfg.remat))
+        block_fns.append(f)
+
+    def run_group(x: Array, group: Block) -> Array:
+        for j, (f, kind) in enumerate(zip(block_fns, kinds)):
+            x = f(jax.tree.map(lambda a: a[j], group), x, tables[kind], segment_ids)
+        return x
+
+    return run_group
 
 
 def init_model(cfg: ModelConfig, key: PRNGKeyArray) -> OLMo3:

@@ -106,4 +106,39 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
     bsh = batch_sharding(mesh, 2)
     batch_shardings = (bsh, batch_sharding(mesh, 1)) + ((bsh, bsh) if layout.packed else ())
     return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, *batch_shardings),
-                   out_shardings=(shardings, None), donate_argnums=0)
+                   out_shardings=(shardings, None), donate_argnums=0,
+                   compiler_options=tpu_compiler_options(cfg, mesh) or None)
+
+
+def tpu_compiler_options(cfg: TrainConfig, mesh) -> dict[str, str]:
+    """The XLA:TPU flags of mesh.tpu_flags for `mesh`'s devices (olmo3eqx.jaxenv.tpu_flags; none off TPUs), checked
+    once against libtpu by compiling a one-op program with them: a flag it does not know, or a value it cannot
+    parse, is a ConfigError in one sentence, before the step is traced."""
+    import os
+
+    from olmo3eqx.jaxenv import tpu_flags
+
+    device = mesh.devices.flat[0]
+    flags = tpu_flags(cfg.mesh.tpu_flags, device.device_kind, os.environ)
+    if flags:
+        check_tpu_flags(tuple(sorted(flags.items())), device)
+    return flags
+
+
+_CHECKED: set = set()
+
+
+def check_tpu_flags(flags: tuple[tuple[str, str], ...], device) -> None:
+    from olmo3eqx.config import ConfigError
+
+    if (flags, device.device_kind) in _CHECKED:
+        return
+    mesh = jax.sharding.Mesh([device], ("x",))
+    probe = jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P()))
+    try:
+        jax.jit(lambda x: x + 1).lower(probe).compile(compiler_options=dict(flags))
+    except jax.errors.JaxRuntimeError as e:
+        said = str(e).splitlines()[0].removeprefix("INVALID_ARGUMENT: ")
+        raise ConfigError(f"mesh.tpu_flags: XLA:TPU on {device.device_kind} refuses them ({said}); fix or drop that "
+                          f"flag, or set mesh.tpu_flags to 'none'.") from None
+    _CHECKED.add((flags, device.device_kind))
