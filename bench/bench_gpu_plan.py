@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     for attention in args.attention:
         for remat in args.remat:
             for tensor in args.tensor:
-                cfg = dataclasses.replace(
-                    base, model=dataclasses.replace(base.model, attention_impl=attention, remat=remat),
-                    mesh=dataclasses.replace(base.mesh, fsdp=-1, tensor=tensor))
+                model = dataclasses.replace(base.model, attention_impl=attention, remat=remat, remat_by_chip=())
+                mesh = dataclasses.replace(base.mesh, fsdp=-1, tensor=tensor)
+                cfg = dataclasses.replace(base, model=model, mesh=mesh)
                 layout = build_layout(cfg, jax.devices()[:8])
                 report = aot.compile_step(cfg, layout, nodes["h100x8"])
                 total = report.memory["total"] / aot.GIB

@@ -2,7 +2,8 @@
 topology, over a grid of remat policy x head shape x mesh (pure FSDP, or FSDP x tensor) x splash blocks x per-device
 batch (accumulation keeps the global batch) x XLA flags, each cell with its memory per device against the HBM and its
 predicted step time, TFLOP/s and MFU (olmo3eqx.costmodel: the compiler's cost model with every loop counted, splash
-modelled by hand; a model, not a measurement). The best predicted cell that fits is printed last.
+modelled by hand; a model, not a measurement). The best predicted cell that fits with --headroom GiB to spare is
+printed last, overall and with the config's own head shape (the preset's model).
 
     python bench/bench_tpu_plan.py --topology tpu7x:4x4x4 [--config configs/olmo3-7b-stage1.yaml]
         [--remat full,save_qkv_proj] [--heads 32x128,16x256] [--tensor 1,2] [--blocks default,1024]
@@ -41,19 +42,21 @@ def cell_config(base, heads: str, remat: str, tensor: int, blocks: str, per_devi
     n, dim = (int(x) for x in heads.split("x"))
     block = None if blocks == "default" else int(blocks)
     model = dataclasses.replace(base.model, num_attention_heads=n, num_key_value_heads=n * base.model.num_key_value_heads
-                                // base.model.num_attention_heads, head_dim=dim, remat=remat,
+                                // base.model.num_attention_heads, head_dim=dim, remat=remat, remat_by_chip=(),
                                 attention_block_q=block, attention_block_kv=block)
     mesh = dataclasses.replace(base.mesh, tensor=tensor, fsdp=-1, max_per_device_batch=per_device, tpu_flags=flags)
     return dataclasses.replace(base, model=model, mesh=mesh)
 
 
 def row(key: str, r: dict) -> dict:
-    topology, heads, remat, tensor, blocks, per_device, flags = key.split("/")
+    _, topology, heads, remat, tensor, blocks, per_device, flags = key.split("/")
     mem = r.get("memory")
     p = r.get("prediction")
+    spare = (r["hbm"] - mem["total"]) / aot.GIB if mem and r.get("hbm") else None
     return {"topology": topology, "heads": heads, "remat": remat, "tensor": tensor, "blocks": blocks,
             "batch": f"{r['per_device_batch']} x {r['accum']}", "flags": flags,
             "mem": f"{mem['total'] / aot.GIB:.1f}" if mem else "over",
+            "spare": spare, "spare_gib": "" if spare is None else f"{spare:.1f}",
             "fits": {True: "yes", False: "no", None: "?"}[r["fits"]],
             "step": f"{p['seconds']:.3f}" if p else "",
             "tflops": f"{p['model_flops'] / p['seconds'] / 1e12:.0f}" if p else "",
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", default="default", help="splash block (query = key/value); 'default': the chip's")
     ap.add_argument("--per-device", default="4", help="mesh.max_per_device_batch values")
     ap.add_argument("--flags", default="auto", help="mesh.tpu_flags values: auto, none")
+    ap.add_argument("--headroom", type=float, default=2.0,
+                    help="GiB of HBM a plan must leave spare to be chosen (the runtime's own use; XLA:TPU's memory "
+                         "analysis is the program's)")
     ap.add_argument("--json", default=str(common.RESULTS / "tpu_plan.json"))
     ap.add_argument("--redo", action="store_true")
     args = ap.parse_args(argv)
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = itertools.product(args.heads.split(","), args.remat.split(","), args.tensor.split(","),
                              args.blocks.split(","), args.per_device.split(","), args.flags.split(","))
     for heads, remat, tensor, blocks, per_device, flags in grid:
-        key = "/".join((args.topology, heads, remat, tensor, blocks, per_device, flags))
+        key = "/".join((Path(args.config).name, args.topology, heads, remat, tensor, blocks, per_device, flags))
         if key in saved and not args.redo:
             continue
         cfg = cell_config(base, heads, remat, int(tensor), blocks, int(per_device), flags)
@@ -102,18 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             "prediction_error": report.prediction_error}
         print(f"{key}: " + " | ".join(report.lines()), flush=True)
         common.write_json(path, {"results": saved})
-    rows = [row(k, r) for k, r in saved.items() if k.startswith(args.topology + "/")]
+    rows = [row(k, r) for k, r in saved.items() if k.startswith(f"{Path(args.config).name}/{args.topology}/")]
     rows.sort(key=lambda r: -float(r["mfu"] or 0))
     print(f"\n{Path(args.config).name} on {args.topology}: per device, XLA:TPU's memory and predicted time "
           f"(olmo3eqx.costmodel; a model, not a measurement); {path}")
     print(common.table(rows, [("heads", "heads"), ("remat", "remat"), ("tensor", "tensor"), ("blocks", "splash"),
-                              ("batch", "per dev x accum"), ("flags", "flags"), ("mem", "GiB"), ("fits", "fits"),
-                              ("step", "step s"), ("tflops", "TFLOP/s"), ("mfu", "MFU %"),
+                              ("batch", "per dev x accum"), ("flags", "flags"), ("mem", "GiB"),
+                              ("spare_gib", "spare"), ("fits", "fits"), ("step", "step s"), ("tflops", "TFLOP/s"), ("mfu", "MFU %"),
                               ("maxtext", "TFLOP/s MaxText count"), ("compile", "compile s (step + loop bodies)")]))
-    best = next((r for r in rows if r["fits"] == "yes" and r["mfu"]), None)
-    if best is not None:
-        print(f"best that fits: heads {best['heads']}, remat {best['remat']}, tensor {best['tensor']}, splash "
-              f"{best['blocks']}, {best['batch']} per device, flags {best['flags']}: MFU {best['mfu']}% predicted")
+    chosen = [r for r in rows if r["fits"] == "yes" and r["mfu"] and r["spare"] >= args.headroom]
+    own = f"{base.model.num_attention_heads}x{base.model.head_dim}"
+    for what, best in (("best that fits", chosen[0] if chosen else None),
+                       (f"best with the preset's heads ({own})", next((r for r in chosen if r["heads"] == own), None))):
+        if best is not None:
+            print(f"{what} with {args.headroom:g} GiB to spare: heads {best['heads']}, remat {best['remat']}, tensor "
+                  f"{best['tensor']}, splash {best['blocks']}, {best['batch']} per device, flags {best['flags']}: "
+                  f"MFU {best['mfu']}% predicted, {best['spare']:.2f} GiB spare")
     return 0
 
 

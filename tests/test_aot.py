@@ -114,6 +114,14 @@ def test_dry_run_on_this_host(capsys):
     assert f"devices:               {jax.device_count()} x cpu" in out and "attention:             blocked" in out
     assert "compiled step memory per device:" in out and "HBM" not in out  # no HBM figure for a CPU
     assert "compiled FLOPs:" in out and "compile time:" in out
+    assert "remat:                 dots\n" in out
+    small = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "64"]
+    assert main([*small, "--model.remat-by-chip", "v5p=full", "cpu=save_qkv_proj"]) == 0
+    by_chip = capsys.readouterr().out
+    assert "remat:                 save_qkv_proj (model.remat_by_chip: cpu)" in by_chip
+    assert main([*small, "--model.remat", "save_qkv_proj"]) == 0  # the step compiled is the chip's policy's
+    assert number_after(by_chip, "compiled FLOPs:") == number_after(capsys.readouterr().out, "compiled FLOPs:")
+    assert number_after(by_chip, "compiled FLOPs:") != number_after(out, "compiled FLOPs:")  # not dots
 
 
 def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):

@@ -110,15 +110,19 @@ def compile_on(cfg: TrainConfig, topology: str):
 
 @needs_libtpu
 @pytest.mark.tpu
-def test_a_program_without_loops_is_the_compilers_figure():
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_a_program_without_loops_is_the_compilers_figure(tensor):
     """Layers unrolled, one loss chunk, no accumulation, XLA's attention: nothing to add; the prediction is
-    cost_analysis()'s optimal_seconds itself."""
+    cost_analysis()'s optimal_seconds itself. A device's tokens (its share of the model FLOPs) are the global
+    batch's over all 4 devices, tensor-parallel or not: a row's tensor-parallel devices share its tokens."""
     cfg = tiny(scan_layers=False, attention_impl="xla")
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, max_per_device_batch=16))
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, max_per_device_batch=16, tensor=tensor))
     layout, compiled = compile_on(cfg, "v5p:2x2x1")
     p = costmodel.predict(cfg, layout, compiled)
     assert [x.name for x in p.pieces] == ["step as compiled"]
     assert p.seconds == compiled.cost_analysis()["optimal_seconds"] > 0
+    assert layout.plan.per_device_batch == tensor * cfg.data.global_batch // 4
+    assert p.tokens_per_device == cfg.data.global_batch * cfg.data.seq_len // 4
 
 
 @needs_libtpu

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
-from olmo3eqx.config import RematPolicy
+from olmo3eqx.config import ConfigError, RematPolicy, TrainConfig, chip_remat, for_chip
 from olmo3eqx.model import OFFLOADED_NAMES, SAVED_NAMES, RopeTable, init_model, remat_policy
 from test_attention import MODEL
 
@@ -26,6 +26,23 @@ NAMES = {"query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0
 def test_every_named_policy_is_a_config_value():
     assert set(NAMED) <= set(typing.get_args(RematPolicy))
     assert set().union(*SAVED_NAMES.values(), *OFFLOADED_NAMES.values()) == NAMES
+
+
+def test_remat_by_chip_resolves_by_the_chip_users_name():
+    """JAX's device kinds (as libtpu's topologies and CUDA report them) map to the names users give the chips; the first
+    matching entry wins; other chips keep model.remat; a bad entry is one sentence naming the field."""
+    model = dataclasses.replace(MODEL, remat="full", remat_by_chip=("v5p=save_dot_except_mlp", "tpu7x=save_qkv_proj",
+                                                                    "h100=dots", "v5e=minimal", "v5p=none"))
+    kinds = {"TPU v5": ("save_dot_except_mlp", "v5p"), "TPU7x": ("save_qkv_proj", "tpu7x"),
+             "TPU v5 lite": ("minimal", "v5e"), "NVIDIA H100 80GB HBM3": ("dots", "h100"),
+             "TPU v6 lite": ("full", None), "cpu": ("full", None)}
+    for kind, want in kinds.items():
+        assert chip_remat(model, kind) == want, kind
+    resolved = for_chip(TrainConfig(model=model), "TPU v5").model
+    assert (resolved.remat, resolved.remat_by_chip) == ("save_dot_except_mlp", ())
+    for bad in ("v5p", "v5p=most", "=full"):
+        with pytest.raises(ConfigError, match=r"model.remat_by_chip entry .* must be 'chip=policy'"):
+            dataclasses.replace(MODEL, remat_by_chip=(bad,))
 
 
 def saved_names(policy: str) -> tuple[set[str], int, list[str]]:

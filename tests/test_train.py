@@ -174,8 +174,11 @@ def test_resume_on_another_device_count(setup, reference):
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == 75
-    p = run(cfg, run_dir, devices=2)
+    # the resumed run also takes another remat for this chip (model.remat_by_chip; a compute-only field)
+    p = run(cfg, run_dir, "--model.remat-by-chip", "v5p=full", "cpu=save_qkv_proj", devices=2)
     assert "'fsdp': 2" in p.stderr
+    assert "remat: save_qkv_proj (model.remat_by_chip: cpu in cpu)" in p.stderr
+    assert "cpu=save_qkv_proj" in (run_dir / "e2e" / "config.yaml").read_text()  # the run's config keeps the entries
     assert_same_run(run_dir, reference, exact=False)
 
 

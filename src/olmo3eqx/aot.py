@@ -201,7 +201,11 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
 
 
 def compile_for(cfg: TrainConfig, topology: str) -> StepReport:
-    """`cfg`'s train step compiled for TPU topology `topology` (see the module doc)."""
+    """`cfg`'s train step compiled for TPU topology `topology` (see the module doc), remat as cfg asks for its chip
+    (model.remat_by_chip)."""
+    from olmo3eqx.config import for_chip
     from olmo3eqx.sharding import build_layout
 
-    return compile_step(cfg, build_layout(cfg, topology_devices(topology)))
+    devices = topology_devices(topology)
+    cfg = for_chip(cfg, devices[0].device_kind)
+    return compile_step(cfg, build_layout(cfg, devices))

@@ -490,8 +490,8 @@ class Checkpointer:
 
 # Fields that may change between a checkpoint and the run that loads it: they change how the model is computed,
 # not what its parameters are.
-COMPUTE_ONLY_FIELDS = ("remat", "attention_impl", "attention_block_q", "attention_block_kv", "scan_layers",
-                       "compute_dtype", "max_position_embeddings")
+COMPUTE_ONLY_FIELDS = ("remat", "remat_by_chip", "attention_impl", "attention_block_q", "attention_block_kv",
+                       "scan_layers", "compute_dtype", "max_position_embeddings")
 
 
 INIT_FROM_CHANGEABLE = ("rope_scaling",)

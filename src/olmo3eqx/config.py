@@ -152,6 +152,11 @@ class ModelConfig:
     save_out_proj (o_proj's); qkv_proj_offloaded and minimal_offloaded keep save_qkv_proj's / minimal's in host
     memory instead. dots is the default because in a layer scan none stacks ~50 arrays per layer (measured by
     bench/bench_step.py and bench/bench_memory.py; docs/performance.md)."""
+    remat_by_chip: tuple[str, ...] = ()
+    """'chip=policy' entries: on that chip (v5p, v5e, v6e, tpu7x, or any part of the device kind: h100) the step
+    uses that remat policy instead of `remat` (the first entry that matches): a preset's best plan that fits per chip
+    (bench/bench_tpu_plan.py), resolved when the devices are known (config.for_chip; train and the dry run print the
+    choice). `--model.remat-by-chip` with no entries makes `remat` hold everywhere."""
     scan_layers: bool = True
     """Scan over the repeating period of layer_types (compile time flat in depth) when it repeats: more than once,
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
@@ -193,6 +198,11 @@ class ModelConfig:
             bad = sorted(set(self.layer_types) - {SLIDING, FULL})
             if bad:
                 raise ConfigError(f"model.layer_types has unknown types {bad}; use '{SLIDING}' or '{FULL}'.")
+        for entry in self.remat_by_chip:
+            chip, _, policy = entry.partition("=")
+            if not chip.strip() or policy not in typing.get_args(RematPolicy):
+                raise ConfigError(f"model.remat_by_chip entry {entry!r} must be 'chip=policy' with a policy among "
+                                  f"{typing.get_args(RematPolicy)} (e.g. v5p=save_dot_except_mlp).")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id {self.eos_token_id} is outside the vocabulary "
                               f"(vocab_size {self.vocab_size}).")
@@ -556,6 +566,35 @@ def parse_named(entries: Sequence[str], what: str) -> list[tuple[str | None, str
             raise ConfigError(f"{what} entry {entry!r} must be 'name=path' with a name free of '/', or a path.")
         out.append((name, pattern))
     return out
+
+
+TPU_CHIPS = (("tpu7", "tpu7x"), ("v6 lite", "v6e"), ("v5 lite", "v5e"), ("tpu v5", "v5p"), ("tpu v4", "v4"))
+"""The names users give TPU chips, by substring of the lower-cased `jax.Device.device_kind` (first match wins): JAX
+calls a v5p "TPU v5", a v5e "TPU v5 lite", an Ironwood "TPU7x"."""
+
+
+def chip_name(device_kind: str) -> str:
+    """The chip's common name (v5p, v6e, tpu7x) for a TPU, else the lower-cased device kind."""
+    kind = device_kind.lower()
+    return next((name for key, name in TPU_CHIPS if key in kind), kind)
+
+
+def chip_remat(model: ModelConfig, device_kind: str) -> tuple[str, str | None]:
+    """The remat policy `model` asks for on devices of `device_kind`, and the remat_by_chip key that chose it (None:
+    model.remat). A key matches the chip's name (chip_name) or any part of the device kind (h100)."""
+    name, kind = chip_name(device_kind), device_kind.lower()
+    for entry in model.remat_by_chip:
+        chip, _, policy = entry.partition("=")
+        chip = chip.strip().lower()
+        if chip == name or chip in kind:
+            return policy, chip
+    return model.remat, None
+
+
+def for_chip(cfg: TrainConfig, device_kind: str) -> TrainConfig:
+    """`cfg` with model.remat resolved for devices of `device_kind` (model.remat_by_chip), the entries dropped."""
+    remat, _ = chip_remat(cfg.model, device_kind)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat, remat_by_chip=()))
 
 
 # --- YAML <-> dataclass ---------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def dry_run(cfg, target: str | None = None) -> None:
     import yaml
 
     from olmo3eqx import aot, flops
-    from olmo3eqx.config import ConfigError, to_dict
+    from olmo3eqx.config import ConfigError, chip_remat, for_chip, to_dict
     from olmo3eqx.sharding import build_layout
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -162,23 +162,27 @@ def dry_run(cfg, target: str | None = None) -> None:
             raise ConfigError(f"--target {target} plans on {gpu.count} simulated devices but JAX has {len(devices)}: "
                               f"JAX started before train.py could ask for them (run train.py as its own process).")
         devices = devices[:gpu.count]
+    kind = gpu.device_kind if gpu is not None else devices[0].device_kind
+    remat, chip = chip_remat(cfg.model, kind)
+    cfg = for_chip(cfg, kind)  # before the layout: its abstract model carries the remat
     layout = build_layout(cfg, devices)
     plan = layout.plan
     per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
     attention_per_token = 3 * flops.attention_flops_per_token(m, seq)
-    device_step_tokens = plan.per_device_batch * plan.accum_steps * seq
+    device_step_tokens = plan.global_batch * seq // len(devices)  # tensor-parallel devices share their rows
     print(f"parameters:            {flops.param_count(m):,}")
     print(f"train FLOPs/token:     {per_token:.4e} (sliding windows counted as windowed); "
           f"{per_token_all_global:.4e} (MaxText convention, all layers global)")
     print(f"TFLOP per device-step: {per_token * device_step_tokens / 1e12:,.4g} windowed, of which attention "
           f"{attention_per_token * device_step_tokens / 1e12:,.4g}; "
           f"{per_token_all_global * device_step_tokens / 1e12:,.4g} all-global "
-          f"({plan.per_device_batch * plan.accum_steps} x {seq} tokens per device)")
+          f"({plan.global_batch} x {seq} tokens over {len(devices)} devices)")
     where = f"topology {target}" if target else f"{jax.process_count()} process(es)"
     print(f"devices:               {len(devices)} x {devices[0].device_kind} ({where})")
     print(f"mesh:                  {dict(layout.mesh.shape)}")
     print(f"batch:                 global {plan.global_batch} = {plan.batch_devices} data-parallel devices x "
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
+    print(f"remat:                 {remat}" + (f" (model.remat_by_chip: {chip})" if chip else ""))
     print(f"attention:             {attention_backend(cfg, layout, gpu)}")
     if gpu is not None:
         print(f"GPU node plan:         {gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
@@ -278,7 +282,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
 
     from olmo3eqx import distributed, flops, metrics, storage
     from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
-    from olmo3eqx.config import dump_yaml, to_dict
+    from olmo3eqx.config import chip_remat, dump_yaml, for_chip, to_dict
     from olmo3eqx.profiling import StepProfiler
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
@@ -298,6 +302,11 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                   f"if any, in {order_index_dir(cfg)} on each host")
     if host_note:
         log.print(host_note)
+    kind = jax.devices()[0].device_kind
+    remat, chip = chip_remat(cfg.model, kind)
+    if chip:  # config.yaml keeps the entries; the step uses this chip's
+        cfg = for_chip(cfg, kind)
+        log.print(f"remat: {remat} (model.remat_by_chip: {chip} in {kind})")
     layout = build_layout(cfg)
     log.print(layout.describe())
     checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
