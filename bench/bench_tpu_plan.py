@@ -1,17 +1,19 @@
-"""A plan for a TPU slice from XLA:TPU's own models: the OLMo 3 7B train step compiled ahead of time on this host for a
-topology, over a grid of remat policy x head shape x mesh (pure FSDP, or FSDP x tensor) x splash blocks x per-device
-batch (accumulation keeps the global batch) x XLA flags, each cell with its memory per device against the HBM and its
-predicted step time, TFLOP/s and MFU (olmo3eqx.costmodel: the compiler's cost model with every loop counted, splash
-modelled by hand; a model, not a measurement). The best predicted cell that fits with --headroom GiB to spare is
-printed last, overall and with the config's own head shape (the preset's model).
+"""A plan for a TPU slice from XLA:TPU's own models: a preset's train step (the OLMo 3 7B's by default, or the 32B's)
+compiled ahead of time on this host for a topology, over a grid of remat policy x head shape x mesh (pure FSDP, or
+FSDP x tensor) x splash blocks x per-device batch (accumulation keeps the global batch) x XLA flags, each cell with
+its memory per device against the HBM and its predicted step time, TFLOP/s and MFU (olmo3eqx.costmodel: the
+compiler's cost model with every loop counted, splash modelled by hand; a model, not a measurement). The best
+predicted cell that fits with --headroom GiB to spare is printed last, overall and with the config's own head shape
+(the preset's model).
 
     python bench/bench_tpu_plan.py --topology tpu7x:4x4x4 [--config configs/olmo3-7b-stage1.yaml]
         [--remat full,save_qkv_proj] [--heads 32x128,16x256] [--tensor 1,2] [--blocks default,1024]
         [--per-device 4,2] [--flags auto,none] [--json bench/results/tpu_plan.json]
 
-Every cell is what `train.py --config C --dry-run --target T` with those flags prints. Each 7B compile takes 10-20
-minutes on a 2-core host (the step, then its layer group and loss chunk alone); results are merged into the JSON as
-they come, so a partial run keeps what it measured and a rerun skips the cells it has (--redo to compile again).
+Every cell is what `train.py --config C --dry-run --target T` with those flags prints. Each 7B compile takes 10-35
+minutes on a 2-core host, a 32B one longer (the step, then its layer group and loss chunk alone); results are merged
+into the JSON as they come, so a partial run keeps what it measured and a rerun skips the cells it has (--redo to
+compile again).
 """
 
 from __future__ import annotations
