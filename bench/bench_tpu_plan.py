@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(olmo3eqx.costmodel; a model, not a measurement); {path}")
     print(common.table(rows, [("heads", "heads"), ("remat", "remat"), ("tensor", "tensor"), ("blocks", "splash"),
                               ("batch", "per dev x accum"), ("flags", "flags"), ("mem", "GiB"),
-                              ("spare_gib", "spare"), ("fits", "fits"), ("step", "step s"), ("tflops", "TFLOP/s"), ("mfu", "MFU %"),
+                              ("spare_gib", "spare"), ("fits", "fits"), ("step", "step s"), ("tflops", "TFLOP/s"),
+                              ("mfu", "MFU %"),
                               ("maxtext", "TFLOP/s MaxText count"), ("compile", "compile s (step + loop bodies)")]))
     chosen = [r for r in rows if r["fits"] == "yes" and r["mfu"] and r["spare"] >= args.headroom]
     own = f"{base.model.num_attention_heads}x{base.model.head_dim}"

@@ -198,11 +198,7 @@ class ModelConfig:
             bad = sorted(set(self.layer_types) - {SLIDING, FULL})
             if bad:
                 raise ConfigError(f"model.layer_types has unknown types {bad}; use '{SLIDING}' or '{FULL}'.")
-        for entry in self.remat_by_chip:
-            chip, _, policy = entry.partition("=")
-            if not chip.strip() or policy not in typing.get_args(RematPolicy):
-                raise ConfigError(f"model.remat_by_chip entry {entry!r} must be 'chip=policy' with a policy among "
-                                  f"{typing.get_args(RematPolicy)} (e.g. v5p=save_dot_except_mlp).")
+        remat_by_chip_entries(self.remat_by_chip)
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ConfigError(f"model.eos_token_id {self.eos_token_id} is outside the vocabulary "
                               f"(vocab_size {self.vocab_size}).")
@@ -568,6 +564,18 @@ def parse_named(entries: Sequence[str], what: str) -> list[tuple[str | None, str
     return out
 
 
+def remat_by_chip_entries(entries: Sequence[str]) -> list[tuple[str, str]]:
+    """model.remat_by_chip's 'chip=policy' entries as (lower-cased chip, policy); a bad entry is a ConfigError."""
+    out = []
+    for entry in entries:
+        chip, _, policy = entry.partition("=")
+        if not chip.strip() or policy not in typing.get_args(RematPolicy):
+            raise ConfigError(f"model.remat_by_chip entry {entry!r} must be 'chip=policy' with a policy among "
+                              f"{typing.get_args(RematPolicy)} (e.g. v5p=save_dot_except_mlp).")
+        out.append((chip.strip().lower(), policy))
+    return out
+
+
 TPU_CHIPS = (("tpu7", "tpu7x"), ("v6 lite", "v6e"), ("v5 lite", "v5e"), ("tpu v5", "v5p"), ("tpu v4", "v4"))
 """The names users give TPU chips, by substring of the lower-cased `jax.Device.device_kind` (first match wins): JAX
 calls a v5p "TPU v5", a v5e "TPU v5 lite", an Ironwood "TPU7x"."""
@@ -583,9 +591,7 @@ def chip_remat(model: ModelConfig, device_kind: str) -> tuple[str, str | None]:
     """The remat policy `model` asks for on devices of `device_kind`, and the remat_by_chip key that chose it (None:
     model.remat). A key matches the chip's name (chip_name) or any part of the device kind (h100)."""
     name, kind = chip_name(device_kind), device_kind.lower()
-    for entry in model.remat_by_chip:
-        chip, _, policy = entry.partition("=")
-        chip = chip.strip().lower()
+    for chip, policy in remat_by_chip_entries(model.remat_by_chip):
         if chip == name or chip in kind:
             return policy, chip
     return model.remat, None

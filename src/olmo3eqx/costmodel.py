@@ -286,7 +286,7 @@ def predict(cfg, layout, compiled) -> Prediction:
     if chunks > 1:
         pieces.append(Piece(f"loss chunk ({seq // chunks} positions)", chunk, accum * chunks - 1))
     peak = flops.peak_flops(device)
-    tokens = plan.global_batch * seq // mesh.devices.size  # a row's tensor-parallel devices share its tokens
+    tokens = layout.tokens_per_device(seq)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         backend = resolve(m.attention_impl, DTYPE[m.compute_dtype], documents=layout.packed, seq=seq)
         padded, bq, bkv = splash_blocks(seq, m.attention_block_q, m.attention_block_kv, m.head_dim)

@@ -187,6 +187,11 @@ class Layout:
     def data_parallel(self) -> int:
         return self.plan.batch_devices
 
+    def tokens_per_device(self, seq_len: int) -> int:
+        """Tokens of a step per device, the global batch's over all devices: a row's tensor-parallel devices share
+        its tokens (and its model FLOPs)."""
+        return self.plan.global_batch * seq_len // self.mesh.devices.size
+
     def init_state(self, cfg: TrainConfig) -> TrainState:
         """A fresh state from cfg.run.seed, every leaf created already sharded, never whole on one device."""
         init = jax.jit(lambda k: init_state(cfg, self.optimizer, k), out_shardings=self.shardings)

@@ -169,7 +169,7 @@ def dry_run(cfg, target: str | None = None) -> None:
     plan = layout.plan
     per_token, per_token_all_global = flops.train_flops_per_token(m, seq), flops.train_flops_per_token(m, seq, False)
     attention_per_token = 3 * flops.attention_flops_per_token(m, seq)
-    device_step_tokens = plan.global_batch * seq // len(devices)  # tensor-parallel devices share their rows
+    device_step_tokens = layout.tokens_per_device(seq)
     print(f"parameters:            {flops.param_count(m):,}")
     print(f"train FLOPs/token:     {per_token:.4e} (sliding windows counted as windowed); "
           f"{per_token_all_global:.4e} (MaxText convention, all layers global)")
