@@ -24,7 +24,7 @@ import numpy as np
 
 from olmo3eqx.config import DataConfig
 from olmo3eqx.data import build_train_iterator
-from olmo3eqx.data.corpus import stdlib_pieces
+from olmo3eqx.data.corpus import extract_text
 from olmo3eqx.data.filters import repeated_ngram_mask
 
 SEQ_LEN = 8192
@@ -117,7 +117,9 @@ def main() -> None:
             results[f"loader_filter_{'on' if flag else 'off'}_instances_per_s"] = rate
             rows.append((name, f"{rate:,.0f} inst/s",
                          ", ".join(f"{rate / need:,.0f}x need @ {k}/step" for k, need in needed.items())))
-        stdlib = np.concatenate([np.frombuffer(open(p.path, "rb").read(), np.uint8) for p in stdlib_pieces()[:300]])
+        text_dir = tmp / "text"
+        pieces = extract_text(text_dir)  # the default corpus's .py sources
+        stdlib = np.concatenate([np.frombuffer(open(p.path, "rb").read(), np.uint8) for p in pieces[:300]])
         for name, tokens in (("zipf ids", np.fromfile(paths[0], np.uint32, count=64 * SEQ_LEN).astype(np.int32)),
                              ("python source bytes", stdlib[: 64 * SEQ_LEN].astype(np.int32))):
             rate = filter_rate(tokens.reshape(64, SEQ_LEN), seconds=args.seconds / 4)
@@ -127,11 +129,6 @@ def main() -> None:
         for k, need in needed.items():
             rows.append((f"needed by a 7B step of {k} (4 x 8192 per device)", f"{need:g} inst/s", ""))
 
-        text_dir = tmp / "text"
-        for p in stdlib_pieces():
-            dest = text_dir / p.doc_id
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(p.path, dest)
         tokenizer = train_bpe(text_dir, tmp / "tokenizer.json", vocab_size=32000)
         for label, tok in (("bytes", "bytes"), ("BPE tokenizer.json (32k, trained here)", tokenizer)):
             for workers in sorted({1, os.cpu_count() or 1}):

@@ -34,20 +34,20 @@ def median(xs: list[float]) -> float:
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
-def train_config(model, seq_len: int, batch: int):
-    """A TrainConfig around `model` whose whole batch is one micro-batch on one device."""
+def train_config(model, seq_len: int, batch: int, packing: bool = False):
+    """A TrainConfig around `model` whose whole batch is one micro-batch on one device (`packing`: batches carry
+    segment ids and a label mask, as data.packing's)."""
     from olmo3eqx.config import DataConfig, MeshConfig, OptimConfig, TrainConfig
 
-    return TrainConfig(steps=10_000, model=model, data=DataConfig(seq_len=seq_len, global_batch=batch),
+    return TrainConfig(steps=10_000, model=model, data=DataConfig(seq_len=seq_len, global_batch=batch, packing=packing),
                        optim=OptimConfig(lr=1e-3, warmup_steps=10),
                        mesh=MeshConfig(fsdp=1, max_per_device_batch=batch))
 
 
-def build_step(cfg, devices=None, axis: str = "fsdp"):
-    """(jitted train step, initial state, tokens, mask) for TrainConfig `cfg` on `devices` (default: the first), all of
+def build_run(cfg, devices=None, axis: str = "fsdp"):
+    """(jitted train step, initial state, layout) for TrainConfig `cfg` on `devices` (default: the first), all of
     them on mesh axis `axis` (fsdp: parameters sharded; data: replicated, the batch split)."""
     import jax
-    import numpy as np
 
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
@@ -55,12 +55,35 @@ def build_step(cfg, devices=None, axis: str = "fsdp"):
     devices = devices or jax.devices()[:1]
     mesh = dataclasses.replace(cfg.mesh, **{"fsdp": 1, "data": 1, axis: len(devices)})
     layout = build_layout(dataclasses.replace(cfg, mesh=mesh), devices)
-    step = make_train_step(cfg, layout)
-    state = layout.init_state(cfg)
-    rng = np.random.default_rng(0)
-    tokens, mask = layout.put_batch({
-        "tokens": rng.integers(0, cfg.model.vocab_size, (cfg.data.global_batch, cfg.data.seq_len), dtype=np.int32),
-        "mask": np.ones(cfg.data.global_batch, np.float32)})
+    return make_train_step(cfg, layout), layout.init_state(cfg), layout
+
+
+def random_batches(cfg, layout, count: int = 1, documents: int = 0, seed: int = 0) -> list[tuple]:
+    """`count` different global batches of uniform random tokens as the train step takes them (a benchmark that
+    repeats one batch measures a model memorising it). `documents` > 0 (packed configs): each row cut at
+    documents - 1 random places into documents, segment ids 0, 1, ..., every token a target."""
+    import numpy as np
+
+    from olmo3eqx.data.packed import segment_ids
+
+    rng = np.random.default_rng(seed)
+    b, s = cfg.data.global_batch, cfg.data.seq_len
+    out = []
+    for _ in range(count):
+        batch = {"tokens": rng.integers(0, cfg.model.vocab_size, (b, s), dtype=np.int32),
+                 "mask": np.ones(b, np.float32)}
+        if cfg.data.packing:
+            cuts = [np.sort(rng.choice(np.arange(1, s), documents - 1, replace=False)) for _ in range(b)]
+            lengths = np.stack([np.diff(np.concatenate([[0], c, [s]])) for c in cuts]).astype(np.int32)
+            batch.update(segment_ids=segment_ids(lengths, s), label_mask=np.ones((b, s), bool))
+        out.append(layout.put_batch(batch))
+    return out
+
+
+def build_step(cfg, devices=None, axis: str = "fsdp"):
+    """(jitted train step, initial state, tokens, mask): build_run and one random batch (unpacked configs)."""
+    step, state, layout = build_run(cfg, devices, axis)
+    tokens, mask = random_batches(cfg, layout)[0]
     return step, state, tokens, mask
 
 

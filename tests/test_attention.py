@@ -5,6 +5,7 @@ blocks do not divide, grouped- and multi-query heads, float32 and bfloat16, forw
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -15,6 +16,8 @@ import pytest
 from olmo3eqx.attention import IMPLEMENTATIONS, attention, blocked_attention, resolve
 from olmo3eqx.config import ModelConfig
 from olmo3eqx.model import init_model
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def reference(q, k, v, window, seg=None):
@@ -173,3 +176,48 @@ def test_model_on_a_batch_equals_model_vmapped_over_examples():
     np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(jax.vmap(model)(tokens)), atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(model.hidden(tokens)), np.asarray(jax.vmap(model.hidden)(tokens)),
                                atol=2e-5, rtol=1e-5)
+
+
+def score_elements(seq: int, window: int | None, heads: int = 2) -> int:
+    """float32 elements of the score matmuls in the blocked forward pass, read off its jaxpr (independent of the
+    formula in attention.blocked_score_bytes). bfloat16 inputs, so the PV matmul's output is not float32."""
+    q, k, v = inputs(seq, heads, heads, 8, dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: blocked_attention(q, k, v, window=window))(q, k, v)
+    return sum(int(np.prod(e.outvars[0].aval.shape)) for e in jaxpr.jaxpr.eqns
+               if e.primitive.name == "dot_general" and e.outvars[0].aval.dtype == jnp.float32
+               and e.params["preferred_element_type"] == jnp.float32)
+
+
+@pytest.mark.parametrize("seq,window", [(64, None), (70, None), (64, 16), (64, 9), (40, 100)])
+def test_blocked_score_bytes_counts_the_programs_scores(seq, window):
+    from olmo3eqx.attention import blocked_score_bytes
+
+    kinds = ("sliding_attention", "full_attention")
+    for remat, layers in (("dots", kinds), ("full", kinds)):
+        m = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, head_dim=8, sliding_window=window or seq, layer_types=layers,
+                        remat=remat, eos_token_id=1, pad_token_id=2)
+        per_layer = [4 * 3 * score_elements(seq, window), 4 * 3 * score_elements(seq, None)]
+        want = sum(per_layer) if remat == "dots" else max(per_layer)
+        assert blocked_score_bytes(m, seq, batch=3) == want, (remat, seq, window)
+
+
+def test_blocked_refused_before_compiling_when_its_scores_cannot_fit(monkeypatch):
+    """The 1B at 8,192 tokens, 4 rows per device, remat dots: 184 GiB of scores at least (hand count: 4 global layers
+    of 16 heads x 2048^2 x 10 scores, 12 sliding of 16 x 4 x 2048 x 3 x 2048, 4 rows, 4 bytes) against an H200's
+    ~139 GiB: refused in one sentence naming flash and cudnn; remat full (one layer's 12.9 GB) passes."""
+    from olmo3eqx import step as step_mod
+    from olmo3eqx.attention import blocked_score_bytes
+    from olmo3eqx.config import ConfigError, DataConfig, MeshConfig, TrainConfig, load_yaml
+    from olmo3eqx.sharding import build_layout
+
+    one_b = dataclasses.replace(load_yaml(REPO / "configs" / "olmo3-1b.yaml").model, attention_impl="blocked")
+    assert blocked_score_bytes(one_b, 8192, 4) == 4 * 16 * 4 * (4 * 2048**2 * 10 + 12 * 4 * 2048 * 3 * 2048)
+    monkeypatch.setattr(step_mod, "device_memory", lambda device: 139 * 2**30)
+    cfg = TrainConfig(model=one_b, data=DataConfig(seq_len=8192, global_batch=4),
+                      mesh=MeshConfig(max_per_device_batch=4))
+    layout = build_layout(cfg, jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"'blocked' needs at least 18\d\.\d GiB .* use 'flash' or 'cudnn'"):
+        step_mod.check_blocked_memory(cfg, layout)
+    full = dataclasses.replace(cfg, model=dataclasses.replace(one_b, remat="full"))
+    step_mod.check_blocked_memory(full, layout)

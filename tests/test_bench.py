@@ -24,21 +24,23 @@ def gpu_module(monkeypatch):
     return gpu
 
 
-@pytest.mark.slow  # 32 s: bench/gpu.py at tiny size; -m slow
+@pytest.mark.slow  # bench/gpu.py at tiny size, 35 variants; -m slow
 def test_gpu_script_runs_every_variant_at_tiny_size(gpu_module, tmp_path, capsys):
     out = tmp_path / "gpu.json"
     assert gpu_module.main(["--tiny", "--steps", "1", "--repeats", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     variants = gpu_module.variants(tiny=True)
     names = [name for name, *_ in variants]
-    # tiny, 1b and 7b-2l; the 1b and 7b-2l at both head shapes; each with cudnn and blocked attention
-    assert len(names) == 10 and all(name in table for name in names)
+    # tiny, 1b and 7b-2l; the 1b and 7b-2l at both head shapes; each with cudnn, blocked, flash and pallas, the three
+    # that take documents also with packed documents
+    assert len(names) == 5 * 7 and all(name in table for name in names)
     assert "failed" not in table and "time budget" not in table
     results = json.loads(out.read_text())["results"]
     assert set(results) == set(names)
     on_gpu = jax.default_backend() == "gpu"
-    for name, model, seq, batch in variants:
+    for name, model, seq, batch, packed in variants:
         r = results[name]
+        assert r.get("packed", packed) == packed and name.endswith(" docs") == packed
         if model.attention_impl in ("cudnn", "pallas") and not on_gpu:
             assert f"{model.attention_impl} needs a GPU" in r["skipped"]
             continue

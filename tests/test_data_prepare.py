@@ -2,6 +2,7 @@
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,7 +185,7 @@ def test_default_corpus(tmp_path):
     (train, labels), heldout = training_files(cfg), heldout_files(cfg)
     assert train and heldout and set(train).isdisjoint(heldout) and labels is None
     (corpus_dir,) = (tmp_path / "cache").iterdir()
-    assert corpus_dir.name.startswith("stdlib-py3.")
+    assert corpus_dir.name.startswith("default-")
     meta = json.loads((corpus_dir / "metadata.json").read_text())
     train_docs, heldout_docs = meta["splits"]["train"]["documents"], meta["splits"]["heldout"]["documents"]
     assert train_docs > 100 and 0.01 < heldout_docs / (train_docs + heldout_docs) < 0.1
@@ -196,3 +197,21 @@ def test_default_corpus(tmp_path):
     assert next(it)["tokens"].shape == (8, 128)
     sets = open_heldout(EvalConfig(), cfg, seq_len=128, vocab_size=BYTE_VOCAB, eos_id=BYTE_EOS, pad_id=BYTE_PAD)
     assert list(sets) == ["heldout"] and sets["heldout"].num_instances > 10 * 8
+
+
+def test_default_corpus_fingerprint_is_the_documented_one(tmp_path):
+    """The shipped text, prepared here, gives the token files the docs state (so every Python trains on the same
+    bytes), and a cache that differs is refused rather than trained on."""
+    from olmo3eqx.data import corpus
+
+    prepared = corpus.default_corpus(str(tmp_path))
+    assert corpus.corpus_fingerprint(prepared) == corpus.FINGERPRINT
+    documented = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    assert f"`{corpus.FINGERPRINT}`" in documented
+    shard = sorted(prepared.glob("train_*.npy"))[0]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    corpus._CHECKED.clear()
+    with pytest.raises(DataError, match="fingerprint"):
+        corpus.default_corpus(str(tmp_path))

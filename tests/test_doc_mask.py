@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3eqx.attention import DocumentMaskError, attention, resolve
+from olmo3eqx.attention import attention
 from olmo3eqx.config import ModelConfig
 from olmo3eqx.model import document_positions, init_model
 from test_attention import inputs, reference
@@ -75,14 +75,6 @@ def test_no_gradient_crosses_a_document_boundary(impl, window):
         assert np.all(g[:12] == 0) and np.all(g[26:] == 0), name
         first = 13 if name == "q" else 12  # a document's first query sees one key: no gradient to itself
         assert np.all(np.abs(g[first:26]).sum(axis=(-2, -1)) > 0), name
-
-
-def test_cudnn_refuses_documents_and_auto_never_picks_it():
-    seg = jnp.asarray(segments([5, 11]))
-    q, k, v = inputs(16, 4, 2, 8, dtype=jnp.bfloat16)
-    with pytest.raises(DocumentMaskError, match="model.attention_impl 'cudnn' cannot mask packed documents"):
-        attention(q, k, v, window=None, impl="cudnn", segment_ids=seg)
-    assert resolve("auto", jnp.bfloat16, documents=True) in ("flash", "splash")
 
 
 def test_document_positions_restart_at_each_document():

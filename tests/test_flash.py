@@ -186,12 +186,13 @@ def test_memory_grows_linearly_with_the_sequence(window):
         assert flash64 < temp_bytes("blocked", 65536, window) / 4
 
 
-def test_auto_picks_flash_for_documents_off_the_tpu(monkeypatch):
+def test_auto_backend_per_platform_dtype_and_documents(monkeypatch):
     assert resolve("auto", jnp.float32, documents=True) == "flash"
     assert resolve("auto", jnp.float32, documents=False, seq=attn.LONG_SEQUENCE) == "blocked"
     assert resolve("auto", jnp.float32, documents=False, seq=attn.LONG_SEQUENCE + 1) == "flash"
     monkeypatch.setattr(attn, "target_device", lambda: ("gpu", "NVIDIA H100 80GB HBM3"))
-    assert resolve("auto", jnp.bfloat16, documents=True) == "flash"
+    assert resolve("auto", jnp.bfloat16, documents=True) == "cudnn"  # its packed layout (olmo3eqx.cudnn_packed)
+    assert resolve("auto", jnp.float32, documents=True) == "flash"
     assert resolve("auto", jnp.bfloat16, documents=False) == "cudnn"
     assert resolve("auto", jnp.float32, documents=False) == "flash"
     monkeypatch.setattr(attn, "target_device", lambda: ("tpu", "TPU v5p"))

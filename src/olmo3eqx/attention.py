@@ -6,7 +6,8 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
 
 - "xla": `jax.nn.dot_product_attention`'s XLA implementation: [heads, T, T] scores for every layer, the window a
   mask over them.
-- "cudnn": the same call with cuDNN's fused flash attention (GPU only; the window is passed to the kernel).
+- "cudnn": the same call with cuDNN's fused flash attention (GPU only, bf16/fp16; the window is passed to the
+  kernel); with documents, cuDNN's packed layout (olmo3eqx.cudnn_packed).
 - "blocked": window-aware blocks in plain einsums (XLA differentiates them). Queries go in blocks of C positions.
   A sliding layer's block sees only the key blocks that can reach it, T x (W + C) scores instead of T x T;
   a global layer's query block i sees key blocks 0..i, so the masked upper triangle is mostly never computed.
@@ -18,25 +19,24 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   platform; key blocks outside the causal triangle, the window or the documents are skipped, not masked.
 - "pallas": JAX's Pallas GPU flash-attention kernel (Triton; segment ids, causal block skipping) for global layers,
   flash for sliding layers (the kernel has no window); on CPU it runs in Pallas interpret mode (tests). Chosen only
-  by name: its speed against flash on a GPU is not measured here (bench/gpu.py times both where a GPU is lent).
+  by name: on an H200 it ran the 1B with documents at 44% of cuDNN's unmasked speed, cuDNN's packed layout at 109%.
 - "splash": Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), the TPU flash kernel
   that skips every all-masked [block_q, block_kv] block: a sliding layer is a LocalMask (W - 1, 0), a global layer
   a CausalMask. Block sizes come from model.attention_block_q/_kv, else the chip generation's default
   (SPLASH_BLOCKS). Under a mesh it runs per shard in a `shard_map` (batch over data x fsdp, heads over tensor),
   since XLA cannot partition a Pallas kernel; on CPU the kernel runs in Pallas interpret mode (slow: for tests).
-- "auto": splash on TPU. Elsewhere, with documents masked: flash (cuDNN cannot mask them; blocked keeps each
-  global layer's score blocks for the backward pass: quadratic memory). Without documents: cudnn on GPU for
-  bf16/fp16 inputs (cuDNN has no float32 flash kernel), flash on GPU otherwise; on CPU blocked up to
-  LONG_SEQUENCE tokens (faster there: bench/bench_attention.py), flash beyond.
+- "auto": splash on TPU; on GPU cudnn for bf16/fp16 inputs, with or without documents (measured on an H200:
+  docs/tpu-gpu.md), flash for float32 (cuDNN has no float32 kernel); on CPU flash with documents (blocked keeps each
+  global layer's score blocks for the backward pass: quadratic memory), else blocked up to LONG_SEQUENCE tokens
+  (faster there: bench/bench_attention.py) and flash beyond.
 
 Document masking (packed instances): `segment_ids` [*batch, seq] gives each token the index of its document; a query
 then sees key j only if causal, inside the window on sliding layers, AND of the same segment. None is plain causal
 attention on the unchanged code path. Per backend: "xla" adds the segment mask to jax.nn's `mask`; "blocked" ANDs
 it into each block pair's static mask (the same T x (W + C) scores: the memory bound is unchanged); "flash" masks
-each visited block and skips blocks that share no document; "splash" passes the kernel `SegmentIds(q, kv)`. "cudnn" refuses: jax.nn.dot_product_attention's public cuDNN path expresses padding
-(`query_seq_lengths`), not packing, and its `mask` becomes a dense [heads, T, T] bias (at 65K, 8 GiB per head in
-bf16); the packed cuDNN layout (`q_offsets`) is only in JAX's private jax._src.cudnn API, untested here (no GPU).
-So "auto" picks "flash" on GPU for masked documents, and an explicit "cudnn" with segment ids is a clear error.
+each visited block and skips blocks that share no document; "splash" passes the kernel `SegmentIds(q, kv)`; "cudnn"
+hands cuDNN each row's runs of equal ids as ragged sequences (up to cudnn_packed.MAX_RUNS a row; a batch with more
+takes flash, decided on the device).
 
 Which platform a trace compiles for is read from the abstract mesh in context (`sharding.on_mesh`, as the train
 step and the evaluator trace), so an ahead-of-time compile for a TPU topology on a CPU host (olmo3eqx.aot) gets
@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from olmo3eqx.config import SPLASH_LANES, AttentionImpl, ConfigError
+from olmo3eqx import cudnn_packed
+from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
 from olmo3eqx.flash import MASKED, PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -78,10 +79,6 @@ LONG_SEQUENCE = 1024
 BATCH_AXES = ("data", "fsdp")
 """The mesh axes the batch is split over (sharding.BATCH_AXES; repeated here: sharding imports the model)."""
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
-
-
-class DocumentMaskError(ConfigError):
-    """A backend that cannot mask documents was asked to (a ConfigError: the commands stop with exit code 2)."""
 
 
 _PLANNED: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("planned", default=None)
@@ -117,20 +114,14 @@ def resolve(impl: str, dtype, documents: bool = False, seq: int = 0) -> str:
     whether segment ids mask documents (cuDNN cannot: see the module doc); `seq`: the sequence length."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
-    if impl == "cudnn" and documents:
-        raise DocumentMaskError(
-            "model.attention_impl 'cudnn' cannot mask packed documents (jax.nn.dot_product_attention's cuDNN path "
-            "has no segment ids); set model.attention_impl to 'auto' or 'flash'.")
     if impl != "auto":
         return impl
     platform = target_device()[0]
     if platform == "tpu":
         return "splash"
-    if documents:
-        return "flash"
     if platform == "gpu":
         return "cudnn" if jnp.dtype(dtype) in LOW_PRECISION else "flash"
-    return "blocked" if seq <= LONG_SEQUENCE else "flash"
+    return "flash" if documents or seq > LONG_SEQUENCE else "blocked"
 
 
 def attention(
@@ -152,6 +143,12 @@ def attention(
         return pallas_gpu_attention(q, k, v, segment_ids=segment_ids, interpret=target_device()[0] != "gpu")
     if backend in ("flash", "pallas") or backend == "cudnn" and _PLANNED.get() is not None:
         return flash_attention(q, k, v, window=window, segment_ids=segment_ids, block_q=block_q, block_kv=block_kv)
+    if backend == "cudnn" and segment_ids is not None:
+        *lead, seq, heads, dim = q.shape
+        flat = [x.reshape(-1, *x.shape[-3:]) for x in (q, k, v)] + [segment_ids.reshape(-1, seq)]
+        fallback = lambda q, k, v, s: flash_attention(  # noqa: E731 - rows of more documents than cuDNN is built for
+            q, k, v, window=window, segment_ids=s, block_q=block_q, block_kv=block_kv)
+        return cudnn_packed.attention_or(fallback, *flat, window=window).reshape(q.shape)
     if backend == "splash":
         return splash_attention(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
     if q.ndim > 4:
@@ -247,6 +244,31 @@ def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:
     if tensor > 1 and shape[-2] % tensor == 0 and kv_heads % tensor == 0:
         spec[-2] = "tensor"
     return P(*spec)
+
+
+SCORE_SAVING_REMAT = ("none", "dots")
+"""Remat policies that keep the attention scores of every layer for the backward pass (dots_saveable keeps every
+matmul's output, the score einsums included); the others recompute one layer's at a time."""
+
+
+def blocked_score_bytes(model, seq: int, batch: int, heads: int | None = None) -> int:
+    """Bytes of float32 attention scores the "blocked" backend holds at once in a train step of `batch` rows of `seq`
+    tokens (`heads` per device, default all): every layer's under a remat policy that saves them
+    (SCORE_SAVING_REMAT), else one layer's (the largest); a lower bound on what the step needs for attention."""
+    heads = heads or model.num_attention_heads
+    per_layer = []
+    for kind in model.resolved_layer_types:
+        window = model.sliding_window if kind == SLIDING else None
+        if window is None or window >= seq:
+            block = -(-seq // GLOBAL_BLOCKS)
+            n = -(-seq // block)
+            scores = block * block * n * (n + 1) // 2
+        else:
+            block = sliding_block(seq, window)
+            n = -(-seq // block)
+            scores = n * block * (min(n - 1, -(-(window - 1) // block)) + 1) * block
+        per_layer.append(4 * batch * heads * scores)
+    return sum(per_layer) if model.remat in SCORE_SAVING_REMAT else max(per_layer)
 
 
 def sliding_block(seq: int, window: int) -> int:

@@ -162,12 +162,13 @@ class ModelConfig:
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: AttentionImpl = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
-    (fused flash attention, GPU only, no document masking), blocked (window-aware blocks: sliding layers compute
-    only the band), flash (the flash-attention algorithm in JAX: memory linear in the sequence, masked blocks
-    skipped; any platform), pallas (JAX's Pallas GPU flash kernel for global layers, flash for sliding ones;
-    interpreted on CPU), splash (Pallas splash attention: the TPU kernel, interpreted on CPU); auto picks splash on
-    TPU, flash for packed documents elsewhere, else cudnn on GPU (bf16/fp16), blocked on CPU up to 1,024 tokens
-    and flash beyond."""
+    (cuDNN's fused flash attention, GPU only, bf16/fp16; packed documents through its packed layout), blocked
+    (window-aware blocks: sliding layers compute only the band; refused on a device its scores cannot fit), flash
+    (the flash-attention algorithm in JAX: memory linear in the sequence, masked blocks skipped; any platform),
+    pallas (JAX's Pallas GPU flash kernel for global layers, flash for sliding ones; interpreted on CPU), splash
+    (Pallas splash attention: the TPU kernel, interpreted on CPU); auto picks splash on TPU, cudnn on GPU for
+    bf16/fp16 (flash for float32), and on CPU flash for packed documents, else blocked up to 1,024 tokens and flash
+    beyond."""
     attention_block_q: int | None = None
     """splash and flash: query block (a multiple of 128); None: splash's chip-generation default
     (attention.SPLASH_BLOCKS), flash's flash.DEFAULT_BLOCK."""

@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights, loss_sums
-from olmo3eqx.model import cast_floating
+from olmo3eqx.model import DTYPE, cast_floating
 from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding, on_mesh
 from olmo3eqx.state import TrainState
 
@@ -48,6 +48,7 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
     shardings explicit; the packed arguments exactly when layout.packed (layout.put_batch gives them)."""
     ocfg: OptimConfig = cfg.optim
     optimizer, plan, mesh, shardings = layout.optimizer, layout.plan, layout.mesh, layout.shardings
+    check_blocked_memory(cfg, layout)
     schedule = optim.lr_schedule(ocfg, cfg.steps)
     micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
     param_shardings = shardings.model
@@ -108,6 +109,35 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
     return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, *batch_shardings),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=tpu_compiler_options(cfg, mesh) or None)
+
+
+def check_blocked_memory(cfg: TrainConfig, layout: Layout) -> None:
+    """Refuse, before anything compiles, a "blocked" attention whose scores alone cannot fit the device's memory
+    (attention.blocked_score_bytes against what the device reports; hosts that report none, CPUs, are not checked):
+    XLA would otherwise compile it and fail allocating (one 268 GiB buffer for a 1B at 8,192 tokens on an H200)."""
+    from olmo3eqx.attention import blocked_score_bytes, resolve
+    from olmo3eqx.config import ConfigError
+
+    m = cfg.model
+    if resolve(m.attention_impl, DTYPE[m.compute_dtype], cfg.data.packing, cfg.data.seq_len) != "blocked":
+        return
+    device = layout.mesh.devices.flat[0]
+    limit = device_memory(device)
+    if not limit:
+        return
+    tensor = dict(layout.mesh.shape).get("tensor", 1)
+    need = blocked_score_bytes(m, cfg.data.seq_len, layout.plan.per_device_batch, m.num_attention_heads // tensor)
+    if need > limit:
+        raise ConfigError(
+            f"model.attention_impl 'blocked' needs at least {need / 2**30:,.1f} GiB per device for its attention "
+            f"scores (seq_len {cfg.data.seq_len}, {layout.plan.per_device_batch} rows per device, remat "
+            f"{m.remat}) but {device.device_kind} has {limit / 2**30:,.1f} GiB; use 'flash' or 'cudnn' (memory "
+            f"linear in the sequence), or 'auto'.")
+
+
+def device_memory(device) -> int | None:
+    """Bytes the device lets XLA allocate (its memory_stats' bytes_limit); None where it reports none (CPU)."""
+    return (device.memory_stats() or {}).get("bytes_limit")
 
 
 def tpu_compiler_options(cfg: TrainConfig, mesh) -> dict[str, str]:

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     from olmo3eqx import jaxenv
 
     host_note = jaxenv.prepare(os.environ)  # before anything imports jax
+    precision_note = jaxenv.float32_matmuls(os.environ, cfg.model.compute_dtype)
+    host_note = "\n".join(filter(None, [host_note, precision_note])) or None
     from olmo3eqx import distributed
     from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
     from olmo3eqx.config import ConfigError
@@ -309,6 +311,10 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
         log.print(f"remat: {remat} (model.remat_by_chip: {chip} in {kind})")
     layout = build_layout(cfg)
     log.print(layout.describe())
+    if not cfg.data.paths and not cfg.data.mix:
+        from olmo3eqx.data import corpus
+
+        log.print(corpus.describe(cfg.data.cache_dir))
     checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                 keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
     index_log = metrics.IndexLog(run_dir, jax.process_index(), cfg.log.indices)
