@@ -53,14 +53,14 @@ def files(tmp_path_factory):
     return paths
 
 
-def data_cfg(paths, group_size: int) -> DataConfig:
+def data_cfg(paths, group_size: int, cache_dir) -> DataConfig:
     return DataConfig(paths=tuple(paths), packing=True, source_group_size=group_size,
                       source_permutation_seed=PERMUTATION_SEED, order="olmo-core", seed=SEED, seq_len=SEQ,
-                      global_batch=BATCH, token_dtype="uint32")
+                      global_batch=BATCH, token_dtype="uint32", cache_dir=str(cache_dir))
 
 
 def ours(paths, group_size, index_dir, *, shard_count=1, state=None):
-    return [build_train_iterator(data_cfg(paths, group_size), seq_len=SEQ, global_batch=BATCH, seed=SEED,
+    return [build_train_iterator(data_cfg(paths, group_size, index_dir / "cache"), seq_len=SEQ, global_batch=BATCH, seed=SEED,
                                  shard_index=s, shard_count=shard_count, vocab_size=VOCAB, state=state,
                                  index_dir=index_dir, eos_id=EOS, pad_id=PAD) for s in range(shard_count)]
 
@@ -125,16 +125,24 @@ def _torch(x):
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def test_best_fit_decreasing_equals_olmo_core_s_packer():
-    """The packer alone on lengths with many ties, against InstancePacker's bins and sorted documents."""
-    rng = np.random.default_rng(3)
-    lengths = np.concatenate([rng.integers(1, 9, 500), rng.integers(1, 129, 300), np.full(20, 128)])
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    spans = np.stack([starts, starts + lengths], axis=1).astype(np.uint64)
-    ref_bins, ref_sorted, _ = InstancePacker(128).pack_documents(spans)
-    order, bins = best_fit_decreasing(lengths, 128)
-    assert bins == ref_bins
-    assert np.array_equal(spans[order], ref_sorted)
+@pytest.mark.parametrize("capacity", [2, 16, 128, 1024])
+def test_best_fit_decreasing_equals_olmo_core_s_packer(capacity):
+    """The packer alone against InstancePacker's bins and sorted documents, on lengths with many ties, documents of
+    exactly capacity, capacity / 2 and 1, a lognormal spread, and none."""
+    rng = np.random.default_rng(capacity)
+    cases = [np.zeros(0, np.int64), np.full(7, capacity), np.full(9, max(1, capacity // 2)),
+             np.concatenate([rng.integers(1, 9, 500), rng.integers(1, capacity + 1, 300), np.full(20, capacity)]),
+             rng.choice([1, max(1, capacity // 2), capacity, max(1, capacity // 3)], 400),
+             np.clip(rng.lognormal(np.log(capacity / 8), 1.5, 3000).astype(np.int64), 1, capacity)]
+    for lengths in cases:
+        lengths = np.minimum(lengths, capacity).astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        spans = np.stack([starts, starts + lengths], axis=1).astype(np.uint64)
+        ref_bins, ref_sorted, _ = InstancePacker(capacity).pack_documents(spans)
+        order, instance = best_fit_decreasing(lengths, capacity)
+        assert np.array_equal(spans[order], ref_sorted)
+        assert [np.flatnonzero(instance == b).tolist() for b in range(len(ref_bins))] == ref_bins
+        assert instance.size == 0 or instance.max() == len(ref_bins) - 1
 
 
 def test_resume_and_process_counts_give_the_same_batches(files, tmp_path):
@@ -149,7 +157,7 @@ def test_resume_and_process_counts_give_the_same_batches(files, tmp_path):
         for key in ("tokens", "label_mask", "segment_ids", "index"):
             assert np.array_equal(np.concatenate([b[key] for b in rows]), want[r][key]), (r, key)
     with pytest.raises(DataError, match="packing"):
-        build_train_iterator(dataclasses.replace(data_cfg(files, 8), packing=False), seq_len=SEQ, global_batch=BATCH,
+        build_train_iterator(dataclasses.replace(data_cfg(files, 8, tmp_path), packing=False), seq_len=SEQ, global_batch=BATCH,
                              seed=SEED, shard_index=0, shard_count=1, vocab_size=VOCAB, state=state,
                              index_dir=tmp_path)
 
