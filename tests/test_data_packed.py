@@ -5,7 +5,14 @@ ids, tokens, label masks and document lengths, epoch after epoch; OLMo-core's la
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +21,8 @@ import pytest
 
 from olmo3eqx.config import ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.data import DataError, build_train_iterator
-from olmo3eqx.data.packed import best_fit_decreasing, document_lengths, segment_ids
+from olmo3eqx.data import packed as packed_module
+from olmo3eqx.data.packed import PackedSource, best_fit_decreasing, document_lengths, segment_ids
 from olmo3eqx.loss import label_weights
 from olmo3eqx.sharding import build_layout
 from olmo3eqx.step import make_train_step
@@ -118,6 +126,201 @@ def test_packed_batches_equal_olmo_core_s(files, tmp_path, group_size):
         flat = (g["segment_ids"] + np.arange(BATCH)[:, None] * SEQ).reshape(-1)
         starts = np.flatnonzero(np.diff(flat, prepend=-1))
         assert np.array_equal(np.append(starts, BATCH * SEQ), cu)
+
+
+# --- over http(s) with OLMo-core's document indices, and the packing cache ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    """tests/stores.py's Range-honouring HTTP server on a directory of its own."""
+    from stores import HttpServer, free_port
+
+    server = HttpServer(tmp_path_factory.mktemp("www"), free_port())
+    yield server
+    server.stop()
+
+
+def publish(web, local: list[str], prefix: str, *, indices: bool) -> list[str]:
+    """Copy token files under the server's root (with OLMo-core's write_document_indices' .csv.gz beside each if
+    `indices`); their URLs."""
+    from olmo_core.data.utils import write_document_indices
+
+    root = Path(web.server.root) / prefix
+    root.mkdir()
+    for path in local:
+        shutil.copyfile(path, root / Path(path).name)
+        if indices:
+            write_document_indices(root / Path(path).name, dtype=np.uint32, eos_token_id=EOS)
+    return [f"{web.url}/{prefix}/{Path(p).name}" for p in local]
+
+
+def rewrite_index(npy: Path, edit) -> None:
+    """Replace the .csv.gz rows of token file `npy` by edit(rows), rows as [start, end] lists."""
+    index = npy.with_suffix(".csv.gz")
+    rows = [[int(x) for x in line.split(",")] for line in gzip.decompress(index.read_bytes()).decode().splitlines()]
+    index.write_bytes(gzip.compress("".join(f"{a},{b}\n" for a, b in edit(rows)).encode()))
+
+
+def served_bytes(web) -> int:
+    """Bytes of files the server has sent since its request log was cleared (ranged GETs: their ranges)."""
+    total = 0
+    for command, path, rng in web.server.requests:
+        file = Path(web.server.root) / path.lstrip("/")
+        if command == "GET" and file.is_file():
+            a, b = (int(x) for x in rng.removeprefix("bytes=").split("-")) if rng else (0, file.stat().st_size - 1)
+            total += min(b, file.stat().st_size - 1) - a + 1
+    return total
+
+
+def big_files(directory: Path, count: int, tokens: int, seed: int) -> list[str]:
+    """uint32 token files of EOS-terminated documents of lognormal lengths (median 200), a tail after the last EOS."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        ids = rng.integers(EOS + 1, VOCAB, tokens).astype(np.uint32)
+        ends = np.cumsum(np.clip(rng.lognormal(np.log(200), 1.2, tokens // 100), 1, None).astype(np.int64))
+        ids[ends[ends < tokens - 5] - 1] = EOS
+        ids.tofile(directory / f"big-{seed}-{i}.npy")
+        paths.append(str(directory / f"big-{seed}-{i}.npy"))
+    return paths
+
+
+def test_packed_batches_over_https_with_document_indices_equal_olmo_core_s(files, web, tmp_path, monkeypatch):
+    """The token files served over http with OLMo-core's .csv.gz indices beside them, two of them rewritten as data not
+    written by the Dolma toolkit has them (a last document without EOS, OLMo-core PR 843's edge; two documents in one
+    span): OLMo-core's dataset on the URLs takes the indices' documents, and so do we, document lengths included."""
+    import cached_path.common
+
+    monkeypatch.setattr(cached_path.common, "CACHE_DIRECTORY", tmp_path / "cached_path")  # OLMo-core's downloads
+    urls = publish(web, files, "indexed", indices=True)
+    served = [Path(web.server.root) / "indexed" / Path(p).name for p in files]
+    eos_counts = [int((np.fromfile(p, np.uint32) == EOS).sum()) for p in served]
+    tail = next(p for p, n in zip(served, eos_counts) if n and np.fromfile(p, np.uint32)[-1] != EOS)
+    rewrite_index(tail, lambda rows: rows + [[rows[-1][1], tail.stat().st_size // 4]])
+    merged = next(p for p, n in zip(served, eos_counts) if n > 3)
+    rewrite_index(merged, lambda rows: [[rows[0][0], rows[1][1]]] + rows[2:])
+
+    dataset, loader = olmo_core_loader(urls, 8, tmp_path / "oc")
+    (it,) = ours(urls, 8, tmp_path / "ours")
+    assert it.num_instances == len(dataset) and it.source.paths == list(dataset.paths)
+    want = olmo_core_batches(loader, 1)
+    got = [next(it) for _ in want]
+    assert sum(not same(g, w) for g, w in zip(got, want)) == 0
+    # The indices' documents were used: some row's lengths are not what a scan of its tokens finds.
+    assert any(not np.array_equal(lens[lens > 0], document_lengths(tokens, EOS))
+               for b in got for lens, tokens in zip(b["doc_lens"], b["tokens"]))
+
+
+def test_a_packed_start_over_https_reads_the_indices_not_the_tokens_and_a_relaunch_reuses_the_packing(web, tmp_path):
+    """Eight 2 MiB token files over http with .csv.gz indices: the first start reads the indices, under 10% of the
+    token bytes (each file's HEAD and sampled ids, three batches); a relaunch reads no index (the packing is
+    memory-mapped from data.cache_dir) and gives the same batches; both equal the local files' (scanned) packing."""
+    local = big_files(tmp_path, 8, 2**19, 5)
+    urls = publish(web, local, "big", indices=True)
+    token_bytes = 8 * 2**19 * 4
+    cfg = DataConfig(paths=tuple(urls), packing=True, source_group_size=4, seq_len=1024, global_batch=BATCH,
+                     token_dtype="uint32", cache_dir=str(tmp_path / "cache"), num_threads=0, prefetch=0)
+
+    def start(c):
+        web.server.requests.clear()
+        it = build_train_iterator(c, seq_len=1024, global_batch=BATCH, seed=SEED, shard_index=0, shard_count=1,
+                                  vocab_size=VOCAB, eos_id=EOS, pad_id=PAD)
+        return [next(it) for _ in range(3)], served_bytes(web), [p for _, p, _ in web.server.requests]
+
+    first, first_bytes, first_paths = start(cfg)
+    again, again_bytes, again_paths = start(cfg)
+    print(f"\nfirst start read {first_bytes:,} bytes, relaunch {again_bytes:,} ({first_bytes / token_bytes:.2%}, "
+          f"{again_bytes / token_bytes:.2%} of the token bytes)")
+    assert first_bytes < 0.1 * token_bytes and again_bytes < 0.1 * token_bytes
+    indices = sorted(p for p in first_paths if p.endswith(".csv.gz"))
+    assert indices == sorted(f"/big/{Path(p).name.replace('.npy', '.csv.gz')}" for p in local)
+    assert not any(p.endswith(".csv.gz") for p in again_paths)
+    assert len(list((tmp_path / "cache" / "packing").glob("*.lock"))) == 1  # one packing
+    scanned, _, _ = start(dataclasses.replace(cfg, paths=tuple(local), cache_dir=str(tmp_path / "local")))
+    for a, b, c in zip(first, again, scanned):
+        for key in ("index", "tokens", "label_mask", "doc_lens"):
+            assert np.array_equal(a[key], b[key]) and np.array_equal(a[key], c[key])
+
+
+def test_without_indices_a_remote_file_is_scanned_once_and_kept_in_the_cache_dir(web, tmp_path):
+    """Remote files with no .csv.gz: the first start scans them (reads them whole, once) into
+    data.cache_dir/document-indices/; a start at another seq_len (another packing) reuses the scans."""
+    urls = publish(web, big_files(tmp_path, 2, 2**19, 6), "scan", indices=False)
+    cache = tmp_path / "cache"
+    for seq_len, least, most in ((1024, 1.0, 1.1), (512, 0.0, 0.1)):
+        web.server.requests.clear()
+        PackedSource(urls, seq_len=seq_len, eos_id=EOS, pad_id=PAD, cache_dir=cache, token_dtype="uint32",
+                     vocab_size=VOCAB)
+        assert least <= served_bytes(web) / (2 * 2**19 * 4) < most
+    assert len(list((cache / "document-indices").glob("*.npy"))) == 2  # one scan a file
+    assert len(list((cache / "packing").glob("*.lock"))) == 2  # two packings
+
+
+KILLED_BUILD = """
+import sys, time
+import numpy as np
+import olmo3eqx.data.packed as packed
+save = np.save
+def hang(f, array):  # a crash mid-write: the first array written, then killed
+    save(f, array)
+    f.flush()
+    time.sleep(600)
+packed.np.save = hang
+packed.PackedSource(sys.argv[2:], seq_len=1024, eos_id=3, pad_id=1, cache_dir=sys.argv[1], group_size=2,
+                    token_dtype="uint32", vocab_size=100278)
+"""
+
+
+def test_one_builder_packs_the_others_wait_and_a_killed_packing_leaves_nothing_half_written(web, tmp_path,
+                                                                                            monkeypatch):
+    """A builder killed (SIGKILL) after writing part of the packing leaves only its temporary directory, never the
+    packing's name; then four readers starting at once read each .csv.gz once between them (one packs, the others
+    wait on the lock) and map the same packing, which a later start maps without a request for any index."""
+    urls = publish(web, big_files(tmp_path, 4, 2**16, 7), "concurrent", indices=True)
+    cache = tmp_path / "cache"
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(cache), *urls])
+    deadline = time.time() + 60
+    while not list((cache / "packing").glob(".*.tmp/*.npy")) and time.time() < deadline:
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    assert [p.name.endswith(".tmp") for p in (cache / "packing").iterdir() if not p.name.endswith(".lock")] == [True]
+
+    pack = packed_module.pack_files
+    builds = []
+
+    def slow_pack(*args, **kw):
+        builds.append(1)
+        time.sleep(0.3)  # long enough for every other reader to reach the lock
+        return pack(*args, **kw)
+
+    monkeypatch.setattr(packed_module, "pack_files", slow_pack)
+    web.server.requests.clear()
+    got = [None] * 4
+
+    def reader(i):
+        got[i] = PackedSource(urls, seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=cache, group_size=2,
+                              token_dtype="uint32", vocab_size=VOCAB)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and all(g is not None for g in got)
+    assert sorted(p for _, p, _ in web.server.requests if p.endswith(".csv.gz")) == sorted(
+        f"/concurrent/big-7-{i}.csv.gz" for i in range(4))
+    assert all(g.num_instances == got[0].num_instances for g in got)
+    ids = np.arange(0, got[0].num_instances, got[0].num_instances // 8)
+    want = got[0].read_packed(ids)
+    for g in got[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(g.read_packed(ids), want))
+    web.server.requests.clear()
+    again = PackedSource(urls, seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=cache, group_size=2,
+                         token_dtype="uint32", vocab_size=VOCAB)
+    assert len(builds) == 1 and not any(p.endswith(".csv.gz") for _, p, _ in web.server.requests)
+    assert all(np.array_equal(a, b) for a, b in zip(again.read_packed(ids), want))
 
 
 def _torch(x):
