@@ -1,15 +1,16 @@
 """Start-up of a packed run (data.packing) over many remote token files: wall time and bytes the server sent until the
 first global batch, for a first launch and a relaunch, with and without OLMo-core's `.csv.gz` document indices
-beside the files.
+beside the files; and the packer alone against OLMo-core's InstancePacker (when ai2-olmo-core is installed).
 
     python bench/bench_packing.py [--files 64] [--tokens 2097152] [--seq-len 8192] [--group-size 8]
-                                  [--src DIR] [--scenarios csv,scan]
+                                  [--src DIR] [--scenarios csv,scan] [--packer-documents 300000]
 
 The token files (uint32, EOS-terminated documents of lognormal lengths, some longer than seq_len) are served by the
 test suite's Range-honouring HTTP server (tests/stores.py) in this process; each launch is a fresh process
 (`build_train_iterator` then one batch, no reader threads) whose code comes from `--src` (default: this checkout's
 src/; give another checkout's src/ to measure that code on the same files). Bytes are counted from the requests the
-server answered. Prints a table and writes bench/results/packing.json.
+server answered. The packer rows time `--src`'s best_fit_decreasing and OLMo-core's InstancePacker (one document at a
+time) on the same lognormal lengths, in a fresh process too. Prints a table and writes bench/results/packing.json.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ EOS, PAD, VOCAB = 100257, 100277, 100352
 MEDIAN_DOC, SIGMA_DOC = 600, 1.4
 """Document lengths: lognormal around a median of 600 tokens (mean ~1,600), a tail past seq_len."""
 GLOBAL_BATCH = 8
+PACKER_CASES = ((8192, 600), (65536, 600), (65536, 5000))
+"""(seq_len, median document length) of the packer rows; lengths lognormal with sigma SIGMA_DOC, cut to seq_len."""
 
 LAUNCH = """
 import json, sys, time
@@ -75,6 +78,43 @@ def write_files(out: Path, files: int, tokens: int, seq_len: int) -> tuple[list[
     return names, docs
 
 
+PACK = """
+import json, sys, time
+import numpy as np
+from olmo3eqx.data.packed import best_fit_decreasing
+try:
+    from olmo_core.data.utils import InstancePacker
+except ImportError:
+    InstancePacker = None
+documents, sigma, cases = json.loads(sys.argv[1])
+rng = np.random.default_rng(1)
+rows = []
+for seq_len, median in cases:
+    lengths = np.clip(rng.lognormal(np.log(median), sigma, documents).astype(np.int64), 1, seq_len)
+    t = time.perf_counter()
+    best_fit_decreasing(lengths, seq_len)
+    row = {"seq_len": seq_len, "median": median, "documents": documents, "ours_s": time.perf_counter() - t}
+    if InstancePacker is not None:
+        spans = np.stack([np.cumsum(lengths) - lengths, np.cumsum(lengths)], axis=1).astype(np.uint64)
+        t = time.perf_counter()
+        InstancePacker(seq_len).pack_documents(spans)
+        row["olmo_core_s"] = time.perf_counter() - t
+    rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def packer_rows(src: Path, documents: int) -> list[dict]:
+    """Seconds to pack `documents` lognormal lengths with `src`'s best_fit_decreasing, and with OLMo-core's
+    InstancePacker where installed."""
+    rows = json.loads(run(src, PACK, [documents, SIGMA_DOC, PACKER_CASES]))
+    for row in rows:
+        theirs = f"  OLMo-core's InstancePacker {row['olmo_core_s']:6.2f} s" if "olmo_core_s" in row else ""
+        print(f"packer: {documents:,} documents (median {row['median']}) into {row['seq_len']}: "
+              f"olmo3eqx {row['ours_s']:6.2f} s{theirs}")
+    return rows
+
+
 def served_bytes(server, root: Path) -> int:
     """Bytes of the files' GET answers the server has sent (a ranged GET: its range; a whole GET: the file)."""
     total = 0
@@ -88,12 +128,13 @@ def served_bytes(server, root: Path) -> int:
     return total
 
 
-def launch(src: Path, args: dict) -> dict:
+def run(src: Path, code: str, args) -> str:
+    """The last line `code` printed, run in a fresh process on the olmo3eqx of source tree `src` with JSON `args`."""
     env = dict(os.environ, PYTHONPATH=str(src), JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", LAUNCH, json.dumps(args)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"launch failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"a benchmark process failed:\n{done.stderr[-3000:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main(argv=None) -> int:
@@ -104,10 +145,12 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--src", default=str(ROOT / "src"), help="the olmo3eqx source tree to launch")
     p.add_argument("--scenarios", default="csv,scan", help="csv: .csv.gz beside the files; scan: none")
+    p.add_argument("--packer-documents", type=int, default=300_000, help="0: no packer rows")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     from stores import HttpServer, free_port
 
+    packer = packer_rows(Path(args.src), args.packer_documents) if args.packer_documents else []
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-packing-") as tmp:
         www = Path(tmp) / "www"
@@ -128,7 +171,7 @@ def main(argv=None) -> int:
                           "cache": str(cache)}
                 for when in ("first launch", "relaunch"):
                     server.server.requests.clear()
-                    r = launch(Path(args.src), common)
+                    r = json.loads(run(Path(args.src), LAUNCH, common))
                     sent = served_bytes(server, www)
                     rows.append({"scenario": scenario, "when": when, "bytes": sent, "token_bytes": token_bytes} | r)
                     print(f"{scenario:<5} {when:<13} start-up {r['startup_s']:7.2f} s  read {sent / 2**20:9.1f} MiB "
@@ -137,7 +180,8 @@ def main(argv=None) -> int:
             server.stop()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "documents": docs, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"time": time.time(), "args": vars(args), "documents": docs, "rows": rows,
+                                "packer": packer}, indent=1))
     print(f"wrote {out}")
     return 0
 

@@ -257,6 +257,27 @@ def test_without_indices_a_remote_file_is_scanned_once_and_kept_in_the_cache_dir
     assert len(list((cache / "packing").glob("*.lock"))) == 2  # two packings
 
 
+BAD_INDICES = {
+    "gzip": (b"0,5\n", r"indices http://.*/bad-gzip/big-8-0.csv.gz are not gzip data"),
+    "text": (gzip.compress(b"0,5\n5,x\n"), r"/bad-text/big-8-0.csv.gz are not 'start,end' rows of integers"),
+    "outside": (gzip.compress(b"0,5\n5,9999999\n"),
+                r"Row 2 of .*/bad-outside/big-8-0.csv.gz is the span 5,9999999, not a non-empty span of the file's "
+                r"65,536 tokens"),
+    "empty": (gzip.compress(b"0,5\n5,5\n"), r"Row 2 of .* is the span 5,5"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INDICES)
+def test_bad_document_indices_stop_with_one_sentence_naming_them(web, tmp_path, case):
+    index, message = BAD_INDICES[case]
+    (url,) = publish(web, big_files(tmp_path, 1, 2**16, 8), f"bad-{case}", indices=False)
+    (Path(web.server.root) / f"bad-{case}" / "big-8-0.csv.gz").write_bytes(index)
+    with pytest.raises(DataError, match=message):
+        PackedSource([url], seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=tmp_path, token_dtype="uint32",
+                     vocab_size=VOCAB)
+    assert all(p.name.endswith(".lock") for p in (tmp_path / "packing").iterdir())  # nothing half built
+
+
 KILLED_BUILD = """
 import sys, time
 import numpy as np

@@ -94,6 +94,11 @@ def spans_from_ends(ends: Int64[np.ndarray, " n"]) -> Int64[np.ndarray, "n 2"]:
     return np.stack([np.concatenate([[0], ends])[:-1].astype(np.int64), ends.astype(np.int64)], axis=1)
 
 
+def scan_index(tokens: Tokens, eos_id: int) -> bytes:
+    """The .csv.gz of a file's EOS-terminated documents: the rows write_document_indices writes for it."""
+    return format_index(spans_from_ends(eos_ends(tokens, eos_id)))
+
+
 def file_key(path: str, tokens: Tokens) -> list:
     """What identifies a token file's content here: its path (a URL redacted), bytes, dtype, and a local file's
     modification time (a file rewritten in place at the same size is scanned again)."""
