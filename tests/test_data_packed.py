@@ -296,8 +296,9 @@ packed.PackedSource(sys.argv[2:], seq_len=1024, eos_id=3, pad_id=1, cache_dir=sy
 def test_one_builder_packs_the_others_wait_and_a_killed_packing_leaves_nothing_half_written(web, tmp_path,
                                                                                             monkeypatch):
     """A builder killed (SIGKILL) after writing part of the packing leaves only its temporary directory, never the
-    packing's name; then four readers starting at once read each .csv.gz once between them (one packs, the others
-    wait on the lock) and map the same packing, which a later start maps without a request for any index."""
+    packing's name; then four readers starting at once read each .csv.gz once between them (one packs and removes the
+    dead builder's temporary, the others wait on the lock) and map the same packing, which a later start maps without
+    a request for any index."""
     urls = publish(web, big_files(tmp_path, 4, 2**16, 7), "concurrent", indices=True)
     cache = tmp_path / "cache"
     killed = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(cache), *urls])
@@ -306,7 +307,8 @@ def test_one_builder_packs_the_others_wait_and_a_killed_packing_leaves_nothing_h
         time.sleep(0.05)
     killed.kill()
     killed.wait()
-    assert [p.name.endswith(".tmp") for p in (cache / "packing").iterdir() if not p.name.endswith(".lock")] == [True]
+    (stale,) = [p for p in (cache / "packing").iterdir() if not p.name.endswith(".lock")]
+    assert stale.name.endswith(".tmp")
 
     pack = packed_module.pack_files
     builds = []
@@ -329,7 +331,7 @@ def test_one_builder_packs_the_others_wait_and_a_killed_packing_leaves_nothing_h
         t.start()
     for t in threads:
         t.join()
-    assert len(builds) == 1 and all(g is not None for g in got)
+    assert len(builds) == 1 and all(g is not None for g in got) and not stale.exists()  # the next builder removed it
     assert sorted(p for _, p, _ in web.server.requests if p.endswith(".csv.gz")) == sorted(
         f"/concurrent/big-7-{i}.csv.gz" for i in range(4))
     assert all(g.num_instances == got[0].num_instances for g in got)
@@ -395,6 +397,7 @@ def test_segment_ids_number_documents_and_padding():
     (dict(seq_len=96), "power-of-two"),
     (dict(max_target_seq_len=128), "max_target_seq_len"),
     (dict(source_group_size=0), "source_group_size"),
+    (dict(cache_dir="gs://bucket/cache"), "data.cache_dir gs://bucket/cache is a URL"),
 ])
 def test_bad_packing_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):

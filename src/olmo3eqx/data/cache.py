@@ -2,7 +2,7 @@
 
 The first process to take the target's lock file (flock) builds it under a temporary name beside the target and
 renames it into place when complete, so a crash mid-write leaves nothing under the real name (the next start builds
-it again; a dead builder's lock is released by the kernel). The others block on the lock, then find it complete. On
+it again and removes the dead builder's temporary; the kernel released its lock). The others block on the lock, then find it complete. On
 one host, or hosts sharing the file system (flock reaches NFS servers as POSIX locks), that is one build; hosts with
 disks of their own each build their own copy, once.
 """
@@ -50,6 +50,8 @@ def build_once(path: Path, build: Callable[[Path], None], what: str) -> Path:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the holder closes the file, or dies
         if path.exists():
             return path
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a killed builder's: only the lock holder writes
+            _remove(stale)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             build(tmp)

@@ -100,10 +100,11 @@ def scan_index(tokens: Tokens, eos_id: int) -> bytes:
 
 
 def file_key(path: str, tokens: Tokens) -> list:
-    """What identifies a token file's content here: its path (a URL redacted), bytes, dtype, and a local file's
-    modification time (a file rewritten in place at the same size is scanned again)."""
-    mtime = None if storage.is_url(path) else os.stat(path).st_mtime_ns
-    return [storage.redact(path), tokens.size * tokens.dtype.itemsize, str(tokens.dtype), mtime]
+    """What identifies a token file's content here: its path (a URL redacted, a local path absolute), bytes, dtype,
+    and a local file's modification time (a file rewritten in place at the same size is scanned again)."""
+    if storage.is_url(path):
+        return [storage.redact(path), tokens.size * tokens.dtype.itemsize, str(tokens.dtype), None]
+    return [os.path.abspath(path), tokens.size * tokens.dtype.itemsize, str(tokens.dtype), os.stat(path).st_mtime_ns]
 
 
 def key_hash(fields) -> str:
@@ -141,15 +142,15 @@ def document_spans(paths: Sequence[str], arrays: Sequence[Tokens], *, eos_id: in
     from tqdm import tqdm
 
     remote = [i for i, p in enumerate(paths) if storage.is_url(p)]
-    fetched = parallel(lambda i: fetch_index(paths[i], arrays[i].size), remote, remote=True)
     out: list = [None] * len(paths)
-    for i, spans in zip(remote, fetched):
-        out[i] = spans
-    missing = [i for i, spans in enumerate(out) if spans is None]
-    cache = Path(cache_dir).expanduser()
-    with tqdm(total=len(missing), desc="document indices (EOS scan, kept in data.cache_dir)", unit="file",
-              file=sys.stderr, delay=2.0) as bar:
-        for i in missing:
-            out[i] = scanned_spans(paths[i], arrays[i], eos_id, cache)
+    with tqdm(total=len(paths), desc="document indices", unit="file", file=sys.stderr, delay=2.0) as bar:
+        def fetch(i: int) -> None:
+            out[i] = fetch_index(paths[i], arrays[i].size)
+            if out[i] is not None:
+                bar.update(1)
+
+        parallel(fetch, remote, remote=True)
+        for i in [i for i, spans in enumerate(out) if spans is None]:
+            out[i] = scanned_spans(paths[i], arrays[i], eos_id, Path(cache_dir).expanduser())
             bar.update(1)
     return out

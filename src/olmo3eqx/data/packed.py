@@ -139,8 +139,10 @@ def pack_files(spans: Sequence[Int64[np.ndarray, "_ 2"]], *, seq_len: int,
                group_size: int) -> tuple[Int64[np.ndarray, "d 3"], Int64[np.ndarray, " i"]]:
     """(documents, offsets): documents[offsets[i]:offsets[i + 1]] are instance i's documents in packing order, each
     (file, start, end) with end - start <= seq_len; groups of group_size files packed one after the other."""
+    from tqdm import tqdm
+
     documents, counts = [], []
-    for g in range(0, len(spans), group_size):
+    for g in tqdm(range(0, len(spans), group_size), desc="packing", unit="group", file=sys.stderr, delay=2.0):
         group = [np.concatenate([np.full((s.shape[0], 1), f, np.int64), s], axis=1)
                  for f, s in enumerate(spans[g:g + group_size], start=g)]
         docs = np.concatenate(group) if group else np.zeros((0, 3), np.int64)
