@@ -113,8 +113,8 @@ def key_hash(fields) -> str:
 
 def scanned_spans(path: str, tokens: Tokens, eos_id: int, cache_dir: Path) -> Int64[np.ndarray, "n 2"]:
     """The EOS scan of one file, read from cache_dir's document-indices/ or scanned once and kept there."""
-    name = f"{storage.basename(path).removesuffix('.npy')}-{key_hash([SCAN_FORMAT, eos_id] + file_key(path, tokens))}"
-    target = cache_dir / SCANS_DIR / f"{name}.npy"
+    readable = os.path.basename(urlsplit(path).path if storage.is_url(path) else path).removesuffix(".npy")[:64]
+    target = cache_dir / SCANS_DIR / f"{readable}-{key_hash([SCAN_FORMAT, eos_id] + file_key(path, tokens))}.npy"
 
     def scan(tmp: Path) -> None:
         with open(tmp, "wb") as f:
