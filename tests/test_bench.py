@@ -196,6 +196,25 @@ def test_order_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
     assert "needed per host by a 7B step on v5p-128" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 29 s on this loaded 2-core host: four launches of a process; -m slow
+def test_packing_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_packing
+
+    out = tmp_path / "packing.json"
+    assert bench_packing.main(["--files", "4", "--tokens", "65536", "--seq-len", "1024", "--group-size", "2",
+                               "--packer-documents", "2000", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scenario"], r["when"]) for r in rows] == [(s, w) for s in ("csv", "scan")
+                                                          for w in ("first launch", "relaunch")]
+    read = {(r["scenario"], r["when"]): r["bytes"] / r["token_bytes"] for r in rows}
+    assert read["scan", "first launch"] > 1 > read["csv", "first launch"]  # the scan reads every token once
+    assert len({r["instances"] for r in rows}) == 1 and all(r["startup_s"] > 0 for r in rows)
+    packer = json.loads(out.read_text())["packer"]
+    assert len(packer) == 3 and all(r["ours_s"] > 0 and r["olmo_core_s"] > 0 for r in packer)
+    assert "of the token bytes" in capsys.readouterr().out
+
+
 @pytest.fixture
 def profile_module(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))

@@ -5,7 +5,14 @@ ids, tokens, label masks and document lengths, epoch after epoch; OLMo-core's la
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +21,8 @@ import pytest
 
 from olmo3eqx.config import ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.data import DataError, build_train_iterator
-from olmo3eqx.data.packed import best_fit_decreasing, document_lengths, segment_ids
+from olmo3eqx.data import packed as packed_module
+from olmo3eqx.data.packed import PackedSource, best_fit_decreasing, document_lengths, segment_ids
 from olmo3eqx.loss import label_weights
 from olmo3eqx.sharding import build_layout
 from olmo3eqx.step import make_train_step
@@ -53,14 +61,14 @@ def files(tmp_path_factory):
     return paths
 
 
-def data_cfg(paths, group_size: int) -> DataConfig:
+def data_cfg(paths, group_size: int, cache_dir) -> DataConfig:
     return DataConfig(paths=tuple(paths), packing=True, source_group_size=group_size,
                       source_permutation_seed=PERMUTATION_SEED, order="olmo-core", seed=SEED, seq_len=SEQ,
-                      global_batch=BATCH, token_dtype="uint32")
+                      global_batch=BATCH, token_dtype="uint32", cache_dir=str(cache_dir))
 
 
 def ours(paths, group_size, index_dir, *, shard_count=1, state=None):
-    return [build_train_iterator(data_cfg(paths, group_size), seq_len=SEQ, global_batch=BATCH, seed=SEED,
+    return [build_train_iterator(data_cfg(paths, group_size, index_dir / "cache"), seq_len=SEQ, global_batch=BATCH, seed=SEED,
                                  shard_index=s, shard_count=shard_count, vocab_size=VOCAB, state=state,
                                  index_dir=index_dir, eos_id=EOS, pad_id=PAD) for s in range(shard_count)]
 
@@ -120,21 +128,247 @@ def test_packed_batches_equal_olmo_core_s(files, tmp_path, group_size):
         assert np.array_equal(np.append(starts, BATCH * SEQ), cu)
 
 
+# --- over http(s) with OLMo-core's document indices, and the packing cache ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    """tests/stores.py's Range-honouring HTTP server on a directory of its own."""
+    from stores import HttpServer, free_port
+
+    server = HttpServer(tmp_path_factory.mktemp("www"), free_port())
+    yield server
+    server.stop()
+
+
+def publish(web, local: list[str], prefix: str, *, indices: bool) -> list[str]:
+    """Copy token files under the server's root (with OLMo-core's write_document_indices' .csv.gz beside each if
+    `indices`); their URLs."""
+    from olmo_core.data.utils import write_document_indices
+
+    root = Path(web.server.root) / prefix
+    root.mkdir()
+    for path in local:
+        shutil.copyfile(path, root / Path(path).name)
+        if indices:
+            write_document_indices(root / Path(path).name, dtype=np.uint32, eos_token_id=EOS)
+    return [f"{web.url}/{prefix}/{Path(p).name}" for p in local]
+
+
+def rewrite_index(npy: Path, edit) -> None:
+    """Replace the .csv.gz rows of token file `npy` by edit(rows), rows as [start, end] lists."""
+    index = npy.with_suffix(".csv.gz")
+    rows = [[int(x) for x in line.split(",")] for line in gzip.decompress(index.read_bytes()).decode().splitlines()]
+    index.write_bytes(gzip.compress("".join(f"{a},{b}\n" for a, b in edit(rows)).encode()))
+
+
+def served_bytes(web) -> int:
+    """Bytes of files the server has sent since its request log was cleared (ranged GETs: their ranges)."""
+    total = 0
+    for command, path, rng in web.server.requests:
+        file = Path(web.server.root) / path.lstrip("/")
+        if command == "GET" and file.is_file():
+            a, b = (int(x) for x in rng.removeprefix("bytes=").split("-")) if rng else (0, file.stat().st_size - 1)
+            total += min(b, file.stat().st_size - 1) - a + 1
+    return total
+
+
+def big_files(directory: Path, count: int, tokens: int, seed: int) -> list[str]:
+    """uint32 token files of EOS-terminated documents of lognormal lengths (median 200), a tail after the last EOS."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        ids = rng.integers(EOS + 1, VOCAB, tokens).astype(np.uint32)
+        ends = np.cumsum(np.clip(rng.lognormal(np.log(200), 1.2, tokens // 100), 1, None).astype(np.int64))
+        ids[ends[ends < tokens - 5] - 1] = EOS
+        ids.tofile(directory / f"big-{seed}-{i}.npy")
+        paths.append(str(directory / f"big-{seed}-{i}.npy"))
+    return paths
+
+
+def test_packed_batches_over_https_with_document_indices_equal_olmo_core_s(files, web, tmp_path, monkeypatch):
+    """The token files served over http with OLMo-core's .csv.gz indices beside them, two of them rewritten as data not
+    written by the Dolma toolkit has them (a last document without EOS, OLMo-core PR 843's edge; two documents in one
+    span): OLMo-core's dataset on the URLs takes the indices' documents, and so do we, document lengths included."""
+    import cached_path.common
+
+    monkeypatch.setattr(cached_path.common, "CACHE_DIRECTORY", tmp_path / "cached_path")  # OLMo-core's downloads
+    urls = publish(web, files, "indexed", indices=True)
+    served = [Path(web.server.root) / "indexed" / Path(p).name for p in files]
+    eos_counts = [int((np.fromfile(p, np.uint32) == EOS).sum()) for p in served]
+    tail = next(p for p, n in zip(served, eos_counts) if n and np.fromfile(p, np.uint32)[-1] != EOS)
+    rewrite_index(tail, lambda rows: rows + [[rows[-1][1], tail.stat().st_size // 4]])
+    merged = next(p for p, n in zip(served, eos_counts) if n > 3)
+    rewrite_index(merged, lambda rows: [[rows[0][0], rows[1][1]]] + rows[2:])
+
+    dataset, loader = olmo_core_loader(urls, 8, tmp_path / "oc")
+    (it,) = ours(urls, 8, tmp_path / "ours")
+    assert it.num_instances == len(dataset) and it.source.paths == list(dataset.paths)
+    want = olmo_core_batches(loader, 1)
+    got = [next(it) for _ in want]
+    assert sum(not same(g, w) for g, w in zip(got, want)) == 0
+    # The indices' documents were used: some row's lengths are not what a scan of its tokens finds.
+    assert any(not np.array_equal(lens[lens > 0], document_lengths(tokens, EOS))
+               for b in got for lens, tokens in zip(b["doc_lens"], b["tokens"]))
+
+
+def test_a_packed_start_over_https_reads_the_indices_not_the_tokens_and_a_relaunch_reuses_the_packing(web, tmp_path):
+    """Eight 2 MiB token files over http with .csv.gz indices: the first start reads the indices, under 10% of the
+    token bytes (each file's HEAD and sampled ids, three batches); a relaunch reads no index (the packing is
+    memory-mapped from data.cache_dir) and gives the same batches; both equal the local files' (scanned) packing."""
+    local = big_files(tmp_path, 8, 2**19, 5)
+    urls = publish(web, local, "big", indices=True)
+    token_bytes = 8 * 2**19 * 4
+    cfg = DataConfig(paths=tuple(urls), packing=True, source_group_size=4, seq_len=1024, global_batch=BATCH,
+                     token_dtype="uint32", cache_dir=str(tmp_path / "cache"), num_threads=0, prefetch=0)
+
+    def start(c):
+        web.server.requests.clear()
+        it = build_train_iterator(c, seq_len=1024, global_batch=BATCH, seed=SEED, shard_index=0, shard_count=1,
+                                  vocab_size=VOCAB, eos_id=EOS, pad_id=PAD)
+        return [next(it) for _ in range(3)], served_bytes(web), [p for _, p, _ in web.server.requests]
+
+    first, first_bytes, first_paths = start(cfg)
+    again, again_bytes, again_paths = start(cfg)
+    print(f"\nfirst start read {first_bytes:,} bytes, relaunch {again_bytes:,} ({first_bytes / token_bytes:.2%}, "
+          f"{again_bytes / token_bytes:.2%} of the token bytes)")
+    assert first_bytes < 0.1 * token_bytes and again_bytes < 0.1 * token_bytes
+    indices = sorted(p for p in first_paths if p.endswith(".csv.gz"))
+    assert indices == sorted(f"/big/{Path(p).name.replace('.npy', '.csv.gz')}" for p in local)
+    assert not any(p.endswith(".csv.gz") for p in again_paths)
+    assert len(list((tmp_path / "cache" / "packing").glob("*.lock"))) == 1  # one packing
+    scanned, _, _ = start(dataclasses.replace(cfg, paths=tuple(local), cache_dir=str(tmp_path / "local")))
+    for a, b, c in zip(first, again, scanned):
+        for key in ("index", "tokens", "label_mask", "doc_lens"):
+            assert np.array_equal(a[key], b[key]) and np.array_equal(a[key], c[key])
+
+
+def test_without_indices_a_remote_file_is_scanned_once_and_kept_in_the_cache_dir(web, tmp_path):
+    """Remote files with no .csv.gz: the first start scans them (reads them whole, once) into
+    data.cache_dir/document-indices/; a start at another seq_len (another packing) reuses the scans."""
+    urls = publish(web, big_files(tmp_path, 2, 2**19, 6), "scan", indices=False)
+    cache = tmp_path / "cache"
+    for seq_len, least, most in ((1024, 1.0, 1.1), (512, 0.0, 0.1)):
+        web.server.requests.clear()
+        PackedSource(urls, seq_len=seq_len, eos_id=EOS, pad_id=PAD, cache_dir=cache, token_dtype="uint32",
+                     vocab_size=VOCAB)
+        assert least <= served_bytes(web) / (2 * 2**19 * 4) < most
+    assert len(list((cache / "document-indices").glob("*.npy"))) == 2  # one scan a file
+    assert len(list((cache / "packing").glob("*.lock"))) == 2  # two packings
+
+
+BAD_INDICES = {
+    "gzip": (b"0,5\n", r"indices http://.*/bad-gzip/big-8-0.csv.gz are not gzip data"),
+    "text": (gzip.compress(b"0,5\n5,x\n"), r"/bad-text/big-8-0.csv.gz are not 'start,end' rows of integers"),
+    "outside": (gzip.compress(b"0,5\n5,9999999\n"),
+                r"Row 2 of .*/bad-outside/big-8-0.csv.gz is the span 5,9999999, not a non-empty span of the file's "
+                r"65,536 tokens"),
+    "empty": (gzip.compress(b"0,5\n5,5\n"), r"Row 2 of .* is the span 5,5"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INDICES)
+def test_bad_document_indices_stop_with_one_sentence_naming_them(web, tmp_path, case):
+    index, message = BAD_INDICES[case]
+    (url,) = publish(web, big_files(tmp_path, 1, 2**16, 8), f"bad-{case}", indices=False)
+    (Path(web.server.root) / f"bad-{case}" / "big-8-0.csv.gz").write_bytes(index)
+    with pytest.raises(DataError, match=message):
+        PackedSource([url], seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=tmp_path, token_dtype="uint32",
+                     vocab_size=VOCAB)
+    assert all(p.name.endswith(".lock") for p in (tmp_path / "packing").iterdir())  # nothing half built
+
+
+KILLED_BUILD = """
+import sys, time
+import numpy as np
+import olmo3eqx.data.packed as packed
+save = np.save
+def hang(f, array):  # a crash mid-write: the first array written, then killed
+    save(f, array)
+    f.flush()
+    time.sleep(600)
+packed.np.save = hang
+packed.PackedSource(sys.argv[2:], seq_len=1024, eos_id=3, pad_id=1, cache_dir=sys.argv[1], group_size=2,
+                    token_dtype="uint32", vocab_size=100278)
+"""
+
+
+def test_one_builder_packs_the_others_wait_and_a_killed_packing_leaves_nothing_half_written(web, tmp_path,
+                                                                                            monkeypatch):
+    """A builder killed (SIGKILL) after writing part of the packing leaves only its temporary directory, never the
+    packing's name; then four readers starting at once read each .csv.gz once between them (one packs and removes the
+    dead builder's temporary, the others wait on the lock) and map the same packing, which a later start maps without
+    a request for any index."""
+    urls = publish(web, big_files(tmp_path, 4, 2**16, 7), "concurrent", indices=True)
+    cache = tmp_path / "cache"
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(cache), *urls])
+    deadline = time.time() + 60
+    while not list((cache / "packing").glob(".*.tmp/*.npy")) and time.time() < deadline:
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    (stale,) = [p for p in (cache / "packing").iterdir() if not p.name.endswith(".lock")]
+    assert stale.name.endswith(".tmp")
+
+    pack = packed_module.pack_files
+    builds = []
+
+    def slow_pack(*args, **kw):
+        builds.append(1)
+        time.sleep(0.3)  # long enough for every other reader to reach the lock
+        return pack(*args, **kw)
+
+    monkeypatch.setattr(packed_module, "pack_files", slow_pack)
+    web.server.requests.clear()
+    got = [None] * 4
+
+    def reader(i):
+        got[i] = PackedSource(urls, seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=cache, group_size=2,
+                              token_dtype="uint32", vocab_size=VOCAB)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and all(g is not None for g in got) and not stale.exists()  # the next builder removed it
+    assert sorted(p for _, p, _ in web.server.requests if p.endswith(".csv.gz")) == sorted(
+        f"/concurrent/big-7-{i}.csv.gz" for i in range(4))
+    assert all(g.num_instances == got[0].num_instances for g in got)
+    ids = np.arange(0, got[0].num_instances, got[0].num_instances // 8)
+    want = got[0].read_packed(ids)
+    for g in got[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(g.read_packed(ids), want))
+    web.server.requests.clear()
+    again = PackedSource(urls, seq_len=1024, eos_id=EOS, pad_id=PAD, cache_dir=cache, group_size=2,
+                         token_dtype="uint32", vocab_size=VOCAB)
+    assert len(builds) == 1 and not any(p.endswith(".csv.gz") for _, p, _ in web.server.requests)
+    assert all(np.array_equal(a, b) for a, b in zip(again.read_packed(ids), want))
+
+
 def _torch(x):
     import torch
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def test_best_fit_decreasing_equals_olmo_core_s_packer():
-    """The packer alone on lengths with many ties, against InstancePacker's bins and sorted documents."""
-    rng = np.random.default_rng(3)
-    lengths = np.concatenate([rng.integers(1, 9, 500), rng.integers(1, 129, 300), np.full(20, 128)])
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    spans = np.stack([starts, starts + lengths], axis=1).astype(np.uint64)
-    ref_bins, ref_sorted, _ = InstancePacker(128).pack_documents(spans)
-    order, bins = best_fit_decreasing(lengths, 128)
-    assert bins == ref_bins
-    assert np.array_equal(spans[order], ref_sorted)
+@pytest.mark.parametrize("capacity", [2, 16, 128, 1024])
+def test_best_fit_decreasing_equals_olmo_core_s_packer(capacity):
+    """The packer alone against InstancePacker's bins and sorted documents, on lengths with many ties, documents of
+    exactly capacity, capacity / 2 and 1, a lognormal spread, and none."""
+    rng = np.random.default_rng(capacity)
+    cases = [np.zeros(0, np.int64), np.full(7, capacity), np.full(9, max(1, capacity // 2)),
+             np.concatenate([rng.integers(1, 9, 500), rng.integers(1, capacity + 1, 300), np.full(20, capacity)]),
+             rng.choice([1, max(1, capacity // 2), capacity, max(1, capacity // 3)], 400),
+             np.clip(rng.lognormal(np.log(capacity / 8), 1.5, 3000).astype(np.int64), 1, capacity)]
+    for lengths in cases:
+        lengths = np.minimum(lengths, capacity).astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        spans = np.stack([starts, starts + lengths], axis=1).astype(np.uint64)
+        ref_bins, ref_sorted, _ = InstancePacker(capacity).pack_documents(spans)
+        order, instance = best_fit_decreasing(lengths, capacity)
+        assert np.array_equal(spans[order], ref_sorted)
+        assert [np.flatnonzero(instance == b).tolist() for b in range(len(ref_bins))] == ref_bins
+        assert instance.size == 0 or instance.max() == len(ref_bins) - 1
 
 
 def test_resume_and_process_counts_give_the_same_batches(files, tmp_path):
@@ -149,7 +383,7 @@ def test_resume_and_process_counts_give_the_same_batches(files, tmp_path):
         for key in ("tokens", "label_mask", "segment_ids", "index"):
             assert np.array_equal(np.concatenate([b[key] for b in rows]), want[r][key]), (r, key)
     with pytest.raises(DataError, match="packing"):
-        build_train_iterator(dataclasses.replace(data_cfg(files, 8), packing=False), seq_len=SEQ, global_batch=BATCH,
+        build_train_iterator(dataclasses.replace(data_cfg(files, 8, tmp_path), packing=False), seq_len=SEQ, global_batch=BATCH,
                              seed=SEED, shard_index=0, shard_count=1, vocab_size=VOCAB, state=state,
                              index_dir=tmp_path)
 
@@ -163,6 +397,7 @@ def test_segment_ids_number_documents_and_padding():
     (dict(seq_len=96), "power-of-two"),
     (dict(max_target_seq_len=128), "max_target_seq_len"),
     (dict(source_group_size=0), "source_group_size"),
+    (dict(cache_dir="gs://bucket/cache"), "data.cache_dir gs://bucket/cache is a URL"),
 ])
 def test_bad_packing_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):

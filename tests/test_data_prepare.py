@@ -60,6 +60,23 @@ def test_bytes_round_trip_and_disjoint_split(corpus, tmp_path):
     assert not (out / ".work").exists()
 
 
+def test_each_token_file_has_olmo_core_s_document_index_beside_it(corpus, tmp_path):
+    """prepare writes NAME.csv.gz beside each NAME.npy with the rows OLMo-core's write_document_indices writes for it
+    (a document cut by a shard's end is in neither shard's index, as an EOS scan finds)."""
+    write_document_indices = pytest.importorskip("olmo_core.data.utils").write_document_indices
+    out = tmp_path / "tok"
+    meta = prep.prepare([str(corpus)], tokenizer="bytes", out=out, shard_tokens=256, progress=False)
+    files = meta["splits"]["train"]["files"] + meta["splits"]["heldout"]["files"]
+    assert sorted(p.name for p in out.glob("*.csv.gz")) == sorted(f.replace(".npy", ".csv.gz") for f in files)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for name in files:
+        (reference / name).write_bytes((out / name).read_bytes())
+        ref = write_document_indices(reference / name, dtype=np.uint16, eos_token_id=BYTE_EOS)
+        ours = gzip.decompress((out / name.replace(".npy", ".csv.gz")).read_bytes())
+        assert ours == gzip.decompress(ref.read_bytes()) and ours.count(b"\n") > 0
+
+
 def test_split_is_by_document_id_not_position(corpus, tmp_path):
     """Adding a file leaves every other document on its side of the split."""
     a = prep.prepare([str(corpus)], tokenizer="bytes", out=tmp_path / "a", heldout_fraction=0.3, progress=False)

@@ -247,7 +247,9 @@ class DataConfig:
     prefetch: int = 4
     """Batches read ahead of the training step."""
     cache_dir: str = "~/.cache/olmo3eqx"
-    """Where the embedded default corpus is prepared once."""
+    """This host's directory for what is built once and reused: the embedded default corpus, data.packing's document
+    indices and packed instances (packing/, document-indices/), OLMo-core's order index when run.dir is a bucket. A
+    local path: what it holds is memory-mapped."""
     allow_fingerprint_mismatch: bool = False
     """Resume even when the token files differ from the ones the checkpoint was written with."""
     packing: bool = False
@@ -269,6 +271,9 @@ class DataConfig:
         check_paths(self.paths, "data.paths")
         check_paths(self.heldout_paths, "data.heldout_paths")
         check_paths([self.mix_root], "data.mix_root")
+        if "://" in self.cache_dir:
+            raise ConfigError(f"data.cache_dir {self.cache_dir} is a URL, but what it holds is memory-mapped; give a "
+                              f"local directory.")
         if self.seed is not None and self.seed < 0:
             raise ConfigError(f"data.seed must be non-negative, got {self.seed}.")
         mt = self.max_target_seq_len

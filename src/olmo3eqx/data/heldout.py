@@ -16,7 +16,7 @@ from jaxtyping import Float, Int
 from olmo3eqx import storage
 from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, parse_named
 from olmo3eqx.data.mixes import resolve_mix
-from olmo3eqx.data.packed import eos_ends
+from olmo3eqx.data.documents import eos_ends
 from olmo3eqx.data.pipeline import heldout_files
 from olmo3eqx.data.source import DataError, TokenSource, check_ids, chunks, expand_paths, open_tokens, read_slices
 

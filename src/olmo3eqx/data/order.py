@@ -18,7 +18,6 @@ epoch, number of instances) only, never on the number of processes.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import Int, Int64
 
+from olmo3eqx.data.cache import build_once
 from olmo3eqx.data.source import DataError
 
 FEISTEL_ROUNDS = 6
@@ -116,34 +116,19 @@ def epoch_index(*, num_instances: int, seed: int, epoch: int, chunk_size: int) -
 
 def write_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, chunk_size: int) -> None:
     """Build one epoch's index in memory (shuffling it in a file mapping instead ran 5x slower: every random swap
-    dirties a page the kernel must write back) and write it to a temporary file beside `path`, renamed into place
-    when complete."""
+    dirties a page the kernel must write back) and write it to `path`."""
     index = epoch_index(num_instances=num_instances, seed=seed, epoch=epoch, chunk_size=chunk_size)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            index.tofile(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with open(path, "wb") as f:
+        index.tofile(f)
 
 
 def cached_epoch_index(path: Path, *, num_instances: int, seed: int, epoch: int, chunk_size: int) -> np.memmap:
-    """The epoch's index memory-mapped from `path`, built first if no process has: the first process to take the
-    file lock builds it, the others block on the lock and then find it complete."""
+    """The epoch's index memory-mapped from `path`, built first if no process has (olmo3eqx.data.cache.build_once:
+    one process builds it under the file lock, the others wait and then map it)."""
     expected = index_size(num_instances, chunk_size) * INDEX_DTYPE.itemsize
-    if not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_name(path.name + ".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a holder dies
-                if not path.is_file():
-                    write_epoch_index(path, num_instances=num_instances, seed=seed, epoch=epoch,
-                                      chunk_size=chunk_size)
-        except OSError as e:
-            raise DataError(f"Cannot write the global order's index {path} ({e.strerror}); make {path.parent} "
-                            f"writable or free {expected:,} bytes there.") from None
+    build_once(path, lambda tmp: write_epoch_index(tmp, num_instances=num_instances, seed=seed, epoch=epoch,
+                                                   chunk_size=chunk_size),
+               f"the global order's index ({expected:,} bytes)")
     if os.path.getsize(path) != expected:
         raise DataError(f"The global order's index {path} has {os.path.getsize(path):,} bytes, not {expected:,}; "
                         f"it is not this data's index: delete it and it is rebuilt.")

@@ -241,7 +241,8 @@ def build_train_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: in
     if data_cfg.packing:
         if eos_id is None or pad_id is None:
             raise DataError("data.packing needs the EOS and PAD token ids (model.eos_token_id, model.pad_token_id).")
-        source = PackedSource(files, eos_id=eos_id, pad_id=pad_id, group_size=data_cfg.source_group_size, **common)
+        source = PackedSource(files, eos_id=eos_id, pad_id=pad_id, group_size=data_cfg.source_group_size,
+                              cache_dir=data_cfg.cache_dir, **common)
     else:
         source = TokenSource(files, max_target_seq_len=data_cfg.max_target_seq_len, **common)
     consumed = 0

@@ -8,6 +8,10 @@ followed by EOS, and the documents are concatenated in sorted input order into r
 `shard_tokens` tokens, plus `metadata.json`. A document is held out when a hash of its id falls below
 `heldout_fraction`, so the split does not depend on order, workers or machine.
 
+Beside each token file goes OLMo-core's document index, `train_00000.csv.gz` (one `start,end` row per
+EOS-terminated document, as olmo_core.data.utils.write_document_indices writes it), so a packed run over the files
+in a bucket or behind https reads those instead of the tokens (olmo3eqx.data.documents).
+
 Work happens in two restartable stages: input chunks are tokenized in parallel into `.work/` (a chunk whose
 result exists is skipped), then the shards are cut from them (a shard already complete is skipped). Every
 file is written under a temporary name and renamed, and `metadata.json`, written last, marks the output done.
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import UInt
 
+from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
 from olmo3eqx.data.source import METADATA, DataError, token_dtype_for_vocab
 
 BYTES = "bytes"
@@ -275,17 +280,23 @@ def _atomic_write(path: Path, tokens: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, text.encode())
 
 
 # --- stage 2: work files -> shards -----------------------------------------------------------------
 
 
-def _write_shards(out: Path, split: str, work: list[tuple[Path, int]], dtype: str, shard_tokens: int) -> list[str]:
-    """Cut the concatenation of the work files into files of shard_tokens tokens; complete ones are kept."""
+def _write_shards(out: Path, split: str, work: list[tuple[Path, int]], dtype: str, shard_tokens: int,
+                  eos_id: int) -> list[str]:
+    """Cut the concatenation of the work files into files of shard_tokens tokens, each with its document index
+    (.csv.gz); complete ones are kept."""
     total = sum(n for _, n in work)
     itemsize = np.dtype(dtype).itemsize
     names = []
@@ -295,15 +306,17 @@ def _write_shards(out: Path, split: str, work: list[tuple[Path, int]], dtype: st
         name = f"{split}_{k:05d}.npy"
         names.append(name)
         final = out / name
-        if final.is_file() and final.stat().st_size == (hi - lo) * itemsize:
-            continue
-        tmp = out / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            for (path, n), start in zip(work, starts[:-1]):
-                a, b = max(lo, start), min(hi, start + n)
-                if a < b:
-                    f.write(np.fromfile(path, dtype, count=b - a, offset=(a - start) * itemsize).tobytes())
-        os.replace(tmp, final)
+        if not (final.is_file() and final.stat().st_size == (hi - lo) * itemsize):
+            tmp = out / f".{name}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                for (path, n), start in zip(work, starts[:-1]):
+                    a, b = max(lo, start), min(hi, start + n)
+                    if a < b:
+                        f.write(np.fromfile(path, dtype, count=b - a, offset=(a - start) * itemsize).tobytes())
+            os.replace(tmp, final)
+        index = final.with_name(name.replace(".npy", INDEX_SUFFIX))
+        if not index.is_file():
+            _atomic_write_bytes(index, scan_index(np.memmap(final, dtype, mode="r"), eos_id))
     return names
 
 
@@ -368,7 +381,7 @@ def prepare_pieces(pieces: Sequence[Piece], *, tokenizer: str, out: str | Path, 
             "inputs": list(inputs), "inputs_key": inputs_key, "splits": {}}
     for split in SPLITS:
         work = [(work_dir / f"{job.key}.{split}.npy", r[split]["tokens"]) for job, r in zip(jobs, results)]
-        files = _write_shards(out, split, work, dtype, shard_tokens)
+        files = _write_shards(out, split, work, dtype, shard_tokens, tok["eos_id"])
         meta["splits"][split] = {
             "files": files,
             "tokens": sum(r[split]["tokens"] for r in results),
