@@ -218,7 +218,7 @@ def load_model(ckpt_dir: str | StorePath, sharding=None) -> tuple[OLMo3, ModelCo
 TRAIN_ITEMS = (STATE, "data", "config")
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(exits.CommandError, RuntimeError):
     """Every checkpoint in a run directory failed to load: never start from scratch over them."""
 
 

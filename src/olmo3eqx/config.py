@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from olmo3eqx import exits
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 SPLASH_LANES = 128
@@ -28,7 +30,7 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minim
 AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
 
 
-class ConfigError(ValueError):
+class ConfigError(exits.CommandError, ValueError):
     """A configuration that contradicts itself or its input; the message names the field and the fix."""
 
 

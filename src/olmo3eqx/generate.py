@@ -31,7 +31,7 @@ MIN_BUCKET = 16
 """Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
 
 
-class GenerationError(ValueError):
+class GenerationError(exits.CommandError, ValueError):
     """Bad input to generation (an empty prompt, an id outside the vocabulary, too long, no tokenizer)."""
 
 

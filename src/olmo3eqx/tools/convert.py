@@ -24,8 +24,10 @@ from olmo3eqx.config import ConfigError
 Dtype = Literal["float32", "bfloat16"]
 
 
-class ParityFailed(Exception):
+class ParityFailed(exits.CommandError):
     """The converted model's logits are too far from `transformers`'."""
+
+    code = exits.PARITY_FAILED
 
 
 def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
