@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from olmo3eqx import exits, storage
+from olmo3eqx.config import ConfigError
 
 BUCKETS = ("gs", "s3")
 
@@ -382,3 +383,25 @@ def test_an_ending_process_does_not_wait_out_its_readers_retries():
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OLMO3EQX_STORAGE_RETRY_SECONDS": "600"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "retrying for up to 600 s" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_config_is_read_back_from_every_store(stores, prefix, tmp_path):
+    """The config.yaml a run writes into its bucket, read back from gs://, s3:// and https:// (load_yaml, and train.py's
+    --config); a missing one and an unknown scheme are one sentence naming the URL."""
+    from olmo3eqx.config import DataConfig, TrainConfig, dump_yaml, load_yaml
+    from olmo3eqx.train import parse_args
+
+    cfg = TrainConfig(steps=7, data=DataConfig(seq_len=32, global_batch=4))
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    urls = [stores.publish(tmp_path / "config.yaml", f"cfg-{uuid.uuid4().hex[:6]}", "config.yaml")]
+    for scheme in BUCKETS:
+        urls.append(storage.join(prefix(scheme), "config.yaml"))
+        dump_yaml(cfg, urls[-1])
+    for url in urls:
+        assert load_yaml(url) == cfg, url
+        assert parse_args(["--config", url, "--steps", "9"])[0].steps == 9
+    missing = storage.join(prefix("s3"), "none.yaml")
+    with pytest.raises(ConfigError, match=f"Config file {missing} does not exist"):
+        load_yaml(missing)
+    with pytest.raises(storage.UnsupportedPath, match="az://"):
+        load_yaml("az://container/config.yaml")
