@@ -356,7 +356,8 @@ def retry_seconds() -> float:
     return float(os.environ.get("OLMO3EQX_STORAGE_RETRY_SECONDS", RETRY_SECONDS))
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The type and the first line (200 characters at most) of an exception, for a one-sentence error."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
@@ -399,20 +400,20 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
                 raise FileNotFoundError(f"{redact(url)} does not exist") from None
             if kind == "denied":
                 raise AccessDenied(
-                    f"Access to {redact(url)} was denied ({_first_line(e)}); check the credentials this host uses "
+                    f"Access to {redact(url)} was denied ({first_line(e)}); check the credentials this host uses "
                     f"for {scheme(url)}:// ({credentials_hint(url)}) and that they may read"
                     f"{'' if what == 'reading' else ' and write'} the bucket.") from None
             if kind == "refused":
-                raise BadRequest(f"{what.capitalize()} {redact(url)} was refused ({_first_line(e)}): a malformed URL "
+                raise BadRequest(f"{what.capitalize()} {redact(url)} was refused ({first_line(e)}): a malformed URL "
                                  f"or a request the store will always refuse; check the URL.") from None
             if kind != "transient":
                 raise
             if time.monotonic() + pause > deadline or _stopping.is_set():
                 waited = "as the process ended" if _stopping.is_set() else f"for {retry_seconds():.0f} s"
-                raise StorageError(f"{what.capitalize()} {redact(url)} failed {waited} ({_first_line(e)}); check that "
+                raise StorageError(f"{what.capitalize()} {redact(url)} failed {waited} ({first_line(e)}); check that "
                                    f"the store is reachable and relaunch to resume") from None
             if not warned:
-                _warn_store(url, f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
+                _warn_store(url, f"warning: {what} {redact(url)} failed ({first_line(e)}); retrying for up to "
                                  f"{retry_seconds():.0f} s.")
                 warned = True
             _stopping.wait(pause * random.uniform(0.5, 1.5))
@@ -719,7 +720,7 @@ def append_bytes(p: str, data: bytes) -> None:
                 raise
             if not _appended(s, p, before, data):
                 raise StorageError(f"Appending to {redact(p)} was refused as if it had changed, but it has not "
-                                   f"({_first_line(e)}); check the store and relaunch.") from None
+                                   f"({first_line(e)}); check the store and relaunch.") from None
 
     retrying(append, p, "writing")
     if part is not None:
