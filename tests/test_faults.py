@@ -611,5 +611,5 @@ def test_what_a_restore_raised_is_classified_and_only_damage_skips_a_step():
     }
     assert set(cases) == set(RESTORE_OUTCOMES) - {"ok"}
     for outcome, errors in cases.items():
-        got = [restore_failure(e) for e in errors]
+        got = [restore_failure(e)[0] for e in errors]
         assert got == [outcome] * len(errors), [(str(e)[:60], g) for e, g in zip(errors, got) if g != outcome]

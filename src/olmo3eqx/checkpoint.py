@@ -285,21 +285,21 @@ class CheckpointOutOfMemory(exits.CommandError):
     """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept."""
 
 
-def restore_failure(e: BaseException) -> str:
-    """What an exception raised while restoring a committed step means, as one of RESTORE_OUTCOMES: 'corrupt' only
+def restore_failure(e: BaseException) -> tuple[str, BaseException]:
+    """What an exception raised while restoring a committed step means, as one of RESTORE_OUTCOMES, and the link of
+    its cause chain that says so (the first that does; orbax wraps tensorstore's words in its own): 'corrupt' only
     when the step itself is verifiably incomplete or damaged (a part of it missing; data shorter than its index
     says, or that does not decode: tensorstore's DATA_LOSS, OUT_OF_RANGE, FAILED_PRECONDITION, NOT_FOUND; metadata
     that does not parse), 'storage' when the store failed (unreachable, timed out, an I/O error), 'denied',
-    'memory' (a device or the host ran out), 'config' (a ConfigError), else 'error' (a bug keeps its traceback). The
-    first link of the cause chain that says wins."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        outcome = _restore_failure_of(e)
+    'memory' (a device or the host ran out), 'config' (a ConfigError), else 'error' (a bug keeps its traceback)."""
+    seen, link = set(), e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        outcome = _restore_failure_of(link)
         if outcome is not None:
-            return outcome
-        e = e.__cause__ or e.__context__
-    return "error"
+            return outcome, link
+        link = link.__cause__ or link.__context__
+    return "error", e
 
 
 def _restore_failure_of(e: BaseException) -> str | None:
@@ -568,9 +568,9 @@ class Checkpointer:
             seen = [i for i, o in enumerate(outcomes) if o == verdict]
             on = f" on process{'es' if len(seen) > 1 else ''} {', '.join(map(str, seen))}" if len(outcomes) > 1 \
                 else ""
-            reason = storage.first_line(value) if outcome == verdict else "its own log says why"
+            reason = storage.first_line(value[1]) if outcome == verdict else "its own log says why"
             if verdict != "corrupt":
-                raise restore_error(verdict, where, on, outcome, value, reason)
+                raise restore_error(verdict, where, on, outcome, value[0], reason)
             if outcome == "corrupt" and jax.process_index() != 0:  # process 0 warns with the others' words
                 print(f"warning (process {jax.process_index()}): checkpoint {where} is incomplete or damaged "
                       f"({reason}).", file=sys.stderr, flush=True)
@@ -585,7 +585,8 @@ class Checkpointer:
         return None
 
     def _attempt(self, step: int, target, model_cfg: ModelConfig) -> tuple[str, Any]:
-        """(outcome, (state, data state) or the exception) of restoring `step` on this process. orbax's restore
+        """(outcome, (state, data state)) of restoring `step` on this process, or (outcome, (the exception, the link
+        of its cause chain that decided the outcome)). orbax's restore
         ends in a barrier of every process, which a process that raised before it never reaches: the restorer here
         has none (its active processes are this one), so every process comes back, whatever happened, to `agree`."""
         me = jax.process_index()
@@ -602,7 +603,8 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
             return "ok", (out[STATE], out["data"])
         except Exception as e:  # noqa: BLE001 - classified by restore_failure; `agree` decides what it means
-            return restore_failure(e), e
+            outcome, said = restore_failure(e)
+            return outcome, (e, said)
         finally:
             restorer.close()
 
@@ -629,6 +631,7 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("olmo3eqx: unreadable checkpoints set aside")
+        storage.forget_listings(str(self.directory))  # what the restore listed holds the steps set aside
         self.manager.reload()
 
     def close(self) -> None:

@@ -235,7 +235,9 @@ def filesystem(s: str):
     if s == "s3" and s3_anonymous():
         fsspec.config.conf.setdefault("s3", {}).setdefault("anon", True)
     try:
-        return fsspec.filesystem(s)
+        # etils.epath opens GCS as protocol "gcs" with finalize_on_close: the same arguments give the same instance
+        # (fsspec caches them), so orbax's paths and ours share one client and one cache of listings
+        return fsspec.filesystem("gcs", finalize_on_close=True) if s == "gs" else fsspec.filesystem(s)
     except ImportError:
         module = {"gs": "gcsfs", "s3": "s3fs"}.get(s, s)
         raise MissingExtra(f"{s}:// paths need {module}, which is not installed: {CLOUD_EXTRA}.") from None
@@ -251,6 +253,14 @@ def _fresh(fs, url: str):
     processes write too, so a listing cached earlier may not hold an object that now exists."""
     fs.invalidate_cache(_key(url))
     return fs
+
+
+def forget_listings(p: str) -> None:
+    """Drop every listing this process's client of `p`'s store has cached (orbax's too: they share it), after
+    another process changed a directory there; nothing for a local path."""
+    s = scheme(p)
+    if s in WRITABLE:
+        filesystem(s).invalidate_cache()
 
 
 # --- failures and retries ---------------------------------------------------------------------------

@@ -369,9 +369,22 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             raise
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
-        index_log.close()
-        log.close()
-        checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
+        # checkpointer last: it waits for the final write, whose failure (a StorageError) ends the run
+        close_all((index_log.close, log.close, checkpointer.close), failing=sys.exc_info()[1] is not None)
+
+
+def close_all(closers, failing: bool) -> None:
+    """Call every closer; the first failure is raised once all have run, unless the run is already stopping on an
+    error: that one stays the error reported (a store that failed under the restore fails the sinks' last flush
+    too, and the sentence must name what stopped the run, not its echo)."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - raised below
+            first = first or e
+    if first is not None and not failing:
+        raise first
 
 
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):
