@@ -42,6 +42,7 @@ CASES = {
     "olmo3eqx-compare": {"scheme": ((), ["az://c/a", "az://c/b"]), "missing": ((), [f"{MISSING}/a", f"{MISSING}/b"]),
                          "extra": (("gcsfs",), ["gs://b/a", "gs://b/b"])},
     "olmo3eqx-generate": {"scheme": ((), ["--ckpt", "az://c/run", "hi"]),
+                          "scheme-out": ((), ["--ckpt", MISSING, "--file", "F", "--out", "az://c/out.jsonl"]),
                           "missing": ((), ["--ckpt", MISSING, "hi"]),
                           "extra": (("gcsfs",), ["--ckpt", "gs://b/run", "hi"])},
     "olmo3eqx-lm-eval": {"scheme": ((), ["--model", "olmo3eqx", "--model_args", "ckpt=az://c/run", "--tasks",
@@ -56,11 +57,13 @@ CASES = {
 
 SAYS = {"scheme": "uses az://, which olmo3eqx cannot reach", "missing": MISSING,
         "extra": "which is not installed: pip install"}
-"""What each case's sentence says (a missing file's names it)."""
+"""What each kind of case's sentence says (a missing file's names it); `scheme-out` is generate's --out, checked
+before the checkpoint (missing here) is even looked at."""
 
 DEFAULT = [("olmo3eqx-lm-eval", "extra"), ("olmo3eqx-convert", "extra"), ("olmo3eqx-generate", "extra"),
-           ("olmo3eqx-generate", "scheme"), ("olmo3eqx-train", "scheme"), ("olmo3eqx-eval", "missing"),
-           ("olmo3eqx-compare", "missing"), ("olmo3eqx-prepare", "missing"), ("olmo3eqx-regenerate-mixes", "scheme")]
+           ("olmo3eqx-generate", "scheme"), ("olmo3eqx-generate", "scheme-out"), ("olmo3eqx-train", "scheme"),
+           ("olmo3eqx-eval", "missing"), ("olmo3eqx-compare", "missing"), ("olmo3eqx-prepare", "missing"),
+           ("olmo3eqx-regenerate-mixes", "scheme")]
 """The default test's checks, in one process: the extras first (a module imported by an earlier check could not be
 made missing), every kind of check, the commands the issue found ending in tracebacks."""
 
@@ -103,7 +106,7 @@ def check(script: str, case: str, code: int, stderr: str) -> None:
     lines = stderr.strip().splitlines()
     errors = [line for line in lines if line.startswith("error")]
     assert code == exits.BAD_INPUT and "Traceback" not in stderr, (script, case, code, stderr[-2000:])
-    assert len(errors) == 1 and SAYS[case] in errors[0], (script, case, stderr[-2000:])
+    assert len(errors) == 1 and SAYS[case.split("-")[0]] in errors[0], (script, case, stderr[-2000:])
     if script != "olmo3eqx-lm-eval":  # the harness's CLI logs its own INFO lines
         assert len(lines) == 1, (script, case, stderr[-2000:])
 
@@ -115,6 +118,7 @@ def arguments(args: list[str], tmp_path) -> list[str]:
 def test_every_console_script_has_its_checks():
     assert set(CASES) == set(SCRIPTS)
     assert all({"scheme", "missing"} & set(cases) for cases in CASES.values())
+    assert {case for _, case in DEFAULT} == {"scheme", "scheme-out", "missing", "extra"}
 
 
 def test_bad_input_to_the_commands_is_one_sentence_and_its_exit_code(tmp_path):

@@ -275,7 +275,7 @@ def test_a_url_presigned_for_get_is_sized_by_a_ranged_get(stores, tmp_path):
 def test_a_malformed_url_and_a_refused_request_fail_at_once(stores, monkeypatch):
     """A URL requests cannot send and a 4xx other than 401/403/404/408/425/429 are permanent: one sentence naming
     the URL at once, not two minutes of retries."""
-    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "600")
+    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "30")
     t = time.monotonic()
     for url in ("http://127.0.0.1:notaport/x.npy", "http://u:secret@[127.0.0.1/x.npy?sig=secret"):
         with pytest.raises(storage.BadRequest, match="was refused .*check the URL") as e:
