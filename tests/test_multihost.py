@@ -201,7 +201,11 @@ def test_a_step_torn_for_one_process_is_skipped_by_every_process(tmp_path):
         e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen([sys.executable, "-c", TORN_FOR_ONE, str(root)], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    (out0, err0), (out1, err1) = [p.communicate(timeout=300) for p in procs]
+    try:
+        (out0, err0), (out1, err1) = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # one left waiting in a collective for the other must not outlive the test
     assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
     for out in (out0, out1):
         assert json.loads(out.strip().splitlines()[-1]) == {"step": 2, "intact": True,
