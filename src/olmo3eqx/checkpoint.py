@@ -282,7 +282,10 @@ OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 
 
 class CheckpointOutOfMemory(exits.CommandError):
-    """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept."""
+    """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept. A relaunch on the
+    same devices would run out the same way: bad input (more devices, or more memory)."""
+
+    code = exits.BAD_INPUT
 
 
 def restore_failure(e: BaseException) -> tuple[str, BaseException]:
@@ -586,9 +589,9 @@ class Checkpointer:
 
     def _attempt(self, step: int, target, model_cfg: ModelConfig) -> tuple[str, Any]:
         """(outcome, (state, data state)) of restoring `step` on this process, or (outcome, (the exception, the link
-        of its cause chain that decided the outcome)). orbax's restore
-        ends in a barrier of every process, which a process that raised before it never reaches: the restorer here
-        has none (its active processes are this one), so every process comes back, whatever happened, to `agree`."""
+        of its cause chain that decided the outcome)). orbax's restore ends in a barrier of every process, which a
+        process that raised before it never reaches: the restorer here has none (its active processes are this one),
+        so every process comes back, whatever happened, to `agree`."""
         me = jax.process_index()
         restorer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(), multiprocessing_options=(
             ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})))
@@ -626,7 +629,7 @@ class Checkpointer:
                     storage.write_text(str(self.directory / f"{step}{UNREADABLE}"), json.dumps(record) + "\n")
                     storage.remove(storage.join(step_dir, COMMITTED))
                 else:
-                    storage.move_tree(step_dir, str(self.directory / f"{step}{UNREADABLE}-{stamp}"))
+                    os.replace(step_dir, self.directory / f"{step}{UNREADABLE}-{stamp}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -820,17 +820,6 @@ def rmtree(p: str) -> None:
         retrying(lambda: fs.rm(_key(p), recursive=True), p, "deleting")
 
 
-def move_tree(src: str, dst: str) -> None:
-    """Rename directory `src` to `dst` (a bucket: copy every object, then delete the originals)."""
-    s = scheme(_writable(src))
-    if s is None:
-        os.replace(src, dst)
-        return
-    fs = filesystem(s)
-    retrying(lambda: fs.copy(_key(src), _key(dst), recursive=True), src, "copying")
-    rmtree(src)
-
-
 def upload_tree(local: str | os.PathLike, dst: str, last: Iterable[str] = ()) -> None:
     """Copy local directory `local` to `dst` (a local directory or a bucket prefix), file by file; the files named in
     `last` (paths relative to `local`, e.g. a commit marker) are copied after all the others."""
