@@ -159,7 +159,9 @@ class Moto:
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
     """Serves `server.root`; honours `Range: bytes=a-b` with 206 unless the server's `mode` says otherwise:
     'ignore' (200 and the whole file, as python -m http.server does), 'truncate' (206 with half the bytes asked).
-    Paths under /denied/ answer 403; `server.failures[path] = n` makes the next n requests for it answer 503."""
+    Paths under /denied/ answer 403, under /bad-request/ 400; under /get-only/ HEAD answers 403 (as a URL presigned
+    for GET does) and GET serves the file; `server.failures[path] = n` makes the next n requests for it answer
+    503."""
 
     def translate_path(self, path):
         return str(Path(self.server.root) / path.split("?", 1)[0].lstrip("/"))
@@ -169,9 +171,13 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
     def _refuse(self) -> bool:
         path = self.path.split("?", 1)[0]
-        if path.startswith("/denied/"):
-            self.send_error(403)
-            return True
+        refused = {"/denied/": 403, "/bad-request/": 400}
+        if self.command == "HEAD":
+            refused["/get-only/"] = 403
+        for prefix, status in refused.items():
+            if path.startswith(prefix):
+                self.send_error(status)
+                return True
         with self.server.lock:
             if self.server.failures.get(path, 0) > 0:
                 self.server.failures[path] -= 1

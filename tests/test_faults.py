@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from olmo3eqx import exits
-from olmo3eqx.config import LogConfig
+from olmo3eqx.config import ConfigError, LogConfig
 from olmo3eqx.checkpoint import Checkpointer, StorageError, format_bytes, tree_bytes
 from olmo3eqx.metrics import MetricsLogger, TAIL_CHUNK, IndexLog, drop_torn_tail, read_metrics
 from olmo3eqx.runlock import LOCK_FILE, RunLock, RunLocked
@@ -562,3 +562,54 @@ def test_sigkill_inside_metrics_appends(tmp_path):
     print(f"\nmetrics appends: {trials} kills, {torn} left a torn last line; all read back and appended cleanly")
     assert torn > 0  # the kills did land inside writes
 
+
+
+# --- what restoring a checkpoint raised --------------------------------------------------------------------
+
+
+def test_what_a_restore_raised_is_classified_and_only_damage_skips_a_step():
+    """restore_failure, on the errors orbax, tensorstore, XLA and the stores raise (their texts as seen): only a
+    step whose data or metadata is verifiably incomplete or damaged is 'corrupt'; an outage, a denial, an
+    out-of-memory and a bug each stop the resume."""
+    import json as json_module
+
+    import requests
+    from google.api_core import exceptions as gexc
+
+    from olmo3eqx import storage
+    from olmo3eqx.checkpoint import RESTORE_OUTCOMES, restore_failure
+
+    def wrapped(cause):  # orbax re-raises tensorstore's error inside its own
+        try:
+            raise cause
+        except Exception as e:
+            try:
+                raise Exception("Encountered error while reading array index: (slice(0, 100000, 1),).") from e
+            except Exception as outer:
+                return outer
+
+    cases = {
+        "corrupt": [wrapped(ValueError('DATA_LOSS: Error reading "a/.zarray" in OCDBT database: Error decoding '
+                                       'manifest: Encoded length (0) is less than minimum length (16)')),
+                    wrapped(ValueError('OUT_OF_RANGE: Error reading "a/0": Requested byte range [0, 268713) is not '
+                                       'valid for value of size 134477')),
+                    wrapped(ValueError("FAILED_PRECONDITION: Truncated Zstd-compressed stream; at byte 0")),
+                    json_module.JSONDecodeError("Expecting value", "", 0), FileNotFoundError("12/state missing"),
+                    ValueError("Found incomplete checkpoint at gs://b/r/checkpoints/12.")],
+        "storage": [wrapped(OSError(errno.EIO, "Input/output error")), storage.StorageError("store away"),
+                    wrapped(ValueError("UNAVAILABLE: Error reading from gs://b: Connection refused")),
+                    wrapped(ValueError("DEADLINE_EXCEEDED: Error reading gs://b/x")),
+                    requests.exceptions.ConnectionError("refused"), gexc.ServiceUnavailable("later"),
+                    ValueError("UNKNOWN: Error reading local file: [os_error_code='5'] Input/output error")],
+        "denied": [wrapped(ValueError("PERMISSION_DENIED: Error reading gs://b/x: HTTP 403")),
+                   gexc.Forbidden("no")],
+        "memory": [MemoryError(), RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 29.3GiB."),
+                   OSError(errno.ENOMEM, "Cannot allocate memory")],
+        "config": [ConfigError("The model config differs from checkpoint 12 in hidden_size")],
+        "error": [ValueError("User-provided restore item and on-disk value metadata tree structures do not match"),
+                  KeyError("x"), TypeError("a bug")],
+    }
+    assert set(cases) == set(RESTORE_OUTCOMES) - {"ok"}
+    for outcome, errors in cases.items():
+        got = [restore_failure(e)[0] for e in errors]
+        assert got == [outcome] * len(errors), [(str(e)[:60], g) for e, g in zip(errors, got) if g != outcome]

@@ -139,3 +139,104 @@ def test_a_dead_process_stops_the_other(cfg_path):
         pytest.fail("the surviving process hung for 120 s after its peer died")
     assert procs[0].returncode != 0
     assert time.time() - t < 120
+
+
+
+TORN_FOR_ONE = """
+import json, os, sys
+from pathlib import Path
+
+import jax
+
+jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=2,
+                           process_id=int(os.environ["JAX_PROCESS_ID"]))
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from olmo3eqx.checkpoint import Checkpointer
+from olmo3eqx.config import ModelConfig, to_dict
+
+sharding = NamedSharding(jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,)), PartitionSpec("fsdp"))
+
+
+def values(step):  # 4 MiB that compress little: stored in each process's own data files, not inline in the index
+    return np.random.default_rng(step).standard_normal(1 << 20, dtype=np.float32)
+
+
+def state(step):
+    return {"w": jax.make_array_from_callback((1 << 20,), sharding, lambda i: values(step)[i])}
+
+
+root, cfg = Path(sys.argv[1]), ModelConfig()
+ck = Checkpointer(root, keep=5, async_save=False)
+for step in (2, 4):
+    ck.save(step, state(step), {"batches_consumed": step}, {"model": to_dict(cfg)})
+ck.close()
+multihost_utils.sync_global_devices("saved")
+if jax.process_index() == 0:  # tear checkpoint 4's data files of process 1: the shards only process 1 reads back
+    torn = [f for f in (root / "4" / "state" / "ocdbt.process_1").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert torn
+    for f in torn:
+        f.write_bytes(b"")
+multihost_utils.sync_global_devices("torn")
+ck = Checkpointer(root, keep=5, async_save=False)
+target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state(0))
+step, restored, data = ck.restore_latest(target, cfg, warn=lambda m: print(m, file=sys.stderr, flush=True))
+intact = all(np.array_equal(np.asarray(s.data), values(step)[s.index]) for s in restored["w"].addressable_shards)
+print(json.dumps({"step": step, "intact": intact, "data": data}), flush=True)
+ck.close()
+"""
+"""Two processes (2 devices each) save checkpoints 2 and 4 of a state sharded over all 4 devices, tear checkpoint 4
+for process 1 alone, and resume the newest checkpoint that restores."""
+
+
+def test_a_step_torn_for_one_process_is_skipped_by_every_process(tmp_path):
+    """Checkpoint 4's data files of process 1 torn: only process 1 sees the damage, yet both processes skip 4 and
+    restore 2 intact (process 0's list of steps, one verdict from everyone's outcome), and 4 is set aside once."""
+    root = tmp_path / "checkpoints"
+    port, procs = free_port(), []
+    for i in range(2):
+        e = base_env(2)
+        e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-c", TORN_FOR_ONE, str(root)], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        (out0, err0), (out1, err1) = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # one left waiting in a collective for the other must not outlive the test
+    assert [p.returncode for p in procs] == [0, 0], err0[-3000:] + err1[-3000:]
+    for out in (out0, out1):
+        assert json.loads(out.strip().splitlines()[-1]) == {"step": 2, "intact": True,
+                                                            "data": {"batches_consumed": 2}}
+    assert f"checkpoint {root / '4'} is incomplete or damaged on process 1 (" in err0, err0[-3000:]
+    assert f"warning (process 1): checkpoint {root / '4'} is incomplete or damaged (" in err1, err1[-3000:]
+    assert sorted(p.name.split("-")[0] for p in root.iterdir()) == ["2", "4.unreadable"]
+
+
+@pytest.mark.slow  # 150 s: two launches of two trainers; the test above checks the same through the Checkpointer
+def test_a_run_whose_step_is_torn_for_one_process_resumes_on_both_from_the_previous(cfg_path):
+    """End to end through train.py: two processes wrote checkpoints 2 and 4; checkpoint 4's data of process 1 torn;
+    both processes skip it, resume from 2 and replay steps 3-4 bit-identically."""
+    run_dir = cfg_path.parent / "torn-for-one"
+    flags = ("--steps", "4", "--checkpoint.every", "2", "--eval.every", "0")
+    results = finish(launch(cfg_path, run_dir, 2, *flags))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    first = losses(run_dir)
+    ckpt = run_dir / "e2e" / "checkpoints"
+    torn = [f for f in (ckpt / "4" / "state" / "ocdbt.process_1").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert torn
+    for f in torn:
+        f.write_bytes(b"")
+    metrics = run_dir / "e2e" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line)["step"] <= 2))
+    results = finish(launch(cfg_path, run_dir, 2, *flags))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    (_, err0), (_, err1) = results
+    assert f"checkpoint {ckpt / '4'} is incomplete or damaged on process 1 (" in err0, err0[-3000:]
+    assert f"resumed from {ckpt / '2'}" in err0
+    assert f"warning (process 1): checkpoint {ckpt / '4'} is incomplete or damaged" in err1, err1[-3000:]
+    assert losses(run_dir) == first
+    assert len([p for p in ckpt.iterdir() if p.name.startswith("4.unreadable-")]) == 1

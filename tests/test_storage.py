@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo3eqx import storage
+from olmo3eqx import exits, storage
 from olmo3eqx.config import ConfigError
 
 BUCKETS = ("gs", "s3")
@@ -96,8 +96,9 @@ def test_bucket_reads_and_writes(prefix, scheme):
 def test_a_read_past_the_end_is_an_error_never_fewer_bytes(prefix, scheme):
     url = storage.join(prefix(scheme), "short.npy")
     storage.write_bytes(url, b"x" * 100)
-    with pytest.raises(ConfigError, match=f"{url} returned 10 bytes for bytes 90-109"):
+    with pytest.raises(storage.StorageError, match=f"{url} returned 10 bytes for bytes 90-109") as e:
         storage.read_bytes(url, 90, 110)
+    assert e.value.code == exits.STORAGE  # the file changed or the store truncates: a relaunch reads it again
 
 
 @pytest.mark.parametrize("scheme", BUCKETS)
@@ -108,6 +109,109 @@ def test_append_keeps_every_line_in_order(prefix, scheme):
         storage.append_bytes(url, line)
     assert storage.read_bytes(url) == b"".join(lines)
     assert storage.listdir(storage.parent(url)) == [url]  # no part object left beside it
+
+
+class AnswerLost(Exception):
+    pass
+
+
+def lose_first_answer(monkeypatch, owner, name: str, when=lambda *a, **k: True):
+    """`owner.name` does its work, then (the first time `when` holds for its arguments) raises the ConnectionError of
+    an answer lost on the way back: the write landed, the client cannot know."""
+    import requests
+
+    real, lost = getattr(owner, name), []
+
+    def answer_lost(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not lost and when(*args, **kwargs):
+            lost.append(name)
+            raise requests.exceptions.ConnectionError("connection reset before the answer (test)")
+        return out
+
+    monkeypatch.setattr(owner, name, answer_lost)
+    return lost
+
+
+def test_an_append_whose_answer_is_lost_is_not_appended_again(prefix, monkeypatch):
+    """GCS: the compose lands and its answer is lost; the retry finds the object at its old generation plus the
+    line and adds nothing. S3: the same for the conditional put (small objects) and the multipart completion (an
+    object of S3_MIN_PART and more, appended by a server-side copy). And an object's first write, on both."""
+    from google.cloud.storage import Blob
+
+    fs = storage.filesystem("s3")
+    cases = [  # (scheme, owner, method, which calls lose their answer, bytes already there (None: no object))
+        ("gs", Blob, "compose", lambda *a, **k: True, b"0\n"),
+        ("gs", Blob, "upload_from_string", lambda *a, **k: k.get("if_generation_match") == 0, None),
+        ("s3", fs, "call_s3", lambda method, **k: method == "put_object" and "IfMatch" in k, b"0\n"),
+        ("s3", fs, "call_s3", lambda method, **k: method == "complete_multipart_upload",
+         b"h" * storage.S3_MIN_PART + b"\n"),
+        ("s3", fs, "call_s3", lambda method, **k: method == "put_object" and "IfNoneMatch" in k, None)]
+    for scheme, owner, name, when, there in cases:
+        url = storage.join(prefix(scheme), "metrics.jsonl")
+        if there is not None:
+            storage.write_bytes(url, there)
+        with monkeypatch.context() as m:
+            lost = lose_first_answer(m, owner, name, when)
+            storage.append_bytes(url, b'{"step": 1}\n')
+        assert lost == [name], (scheme, name)
+        assert storage.read_bytes(url) == (there or b"") + b'{"step": 1}\n', (scheme, name)
+        assert storage.listdir(storage.parent(url)) == [url]  # no part object left beside it
+
+
+def test_a_versioned_write_whose_answer_is_lost_is_still_ours(prefix, monkeypatch):
+    from google.cloud.storage import Blob
+
+    fs = storage.filesystem("s3")
+    for scheme, owner, name in (("gs", Blob, "upload_from_string"), ("s3", fs, "call_s3")):
+        url = storage.join(prefix(scheme), "trainer.lock")
+        with monkeypatch.context() as m:
+            lost = lose_first_answer(m, owner, name)
+            version = storage.write_versioned(url, b"mine", None)
+        assert lost == [name] and version is not None and storage.read_versioned(url)[:2] == (b"mine", version)
+
+
+def test_a_part_that_cannot_be_deleted_is_left_with_a_warning_and_nothing_appended_twice(prefix, monkeypatch, capfd):
+    from google.api_core import exceptions as gexc
+    from google.cloud.storage import Blob
+
+    url = storage.join(prefix("gs"), "metrics.jsonl")
+    storage.append_bytes(url, b"1\n")
+    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "1")
+
+    def unavailable(*args, **kwargs):
+        raise gexc.ServiceUnavailable("deleting is down (test)")
+
+    with monkeypatch.context() as m:
+        m.setattr(Blob, "delete", unavailable)
+        storage.append_bytes(url, b"2\n")
+    assert storage.read_bytes(url) == b"1\n2\n"
+    err = capfd.readouterr().err
+    assert "metrics.jsonl.part-" in err and "the append it was a part of is complete" in err, err
+    left = [p for p in storage.listdir(storage.parent(url)) if p != url]
+    assert len(left) == 1 and storage.basename(left[0]).startswith("metrics.jsonl.part-")
+    storage.append_bytes(url, b"3\n")
+    assert storage.read_bytes(url) == b"1\n2\n3\n"
+
+
+def test_an_append_refuses_to_write_over_another_writers_change(prefix, monkeypatch):
+    """Between reading an object's version and appending, another writer replaced it: a StorageError, nothing
+    written over its bytes."""
+    for scheme in BUCKETS:
+        url = storage.join(prefix(scheme), "metrics.jsonl")
+        storage.append_bytes(url, b"1\n")
+        real = storage._version
+        with monkeypatch.context() as m:
+            def version_then_replaced(s, p, calls=[]):
+                out = real(s, p)
+                if not calls:
+                    calls.append(1)
+                    storage.write_bytes(url, b"someone else\n")
+                return out
+            m.setattr(storage, "_version", version_then_replaced)
+            with pytest.raises(storage.StorageError, match="changed while olmo3eqx appended to it"):
+                storage.append_bytes(url, b"2\n")
+        assert storage.read_bytes(url) == b"someone else\n", scheme
 
 
 @pytest.mark.parametrize("scheme", BUCKETS)
@@ -151,9 +255,35 @@ def test_a_server_that_ignores_range_is_an_error_naming_the_url(stores, served):
 
 def test_a_short_body_is_an_error_never_fewer_tokens(stores, served):
     url, _ = served
-    with stores.http.mode("truncate"), pytest.raises(ConfigError) as e:
+    with stores.http.mode("truncate"), pytest.raises(storage.StorageError) as e:
         storage.read_bytes(url, 4096, 4096 + 256)
-    assert url in str(e.value) and "returned 128 bytes" in str(e.value)
+    assert url in str(e.value) and "returned 128 bytes" in str(e.value) and e.value.code == exits.STORAGE
+
+
+def test_a_url_presigned_for_get_is_sized_by_a_ranged_get(stores, tmp_path):
+    """A URL signed for GET refuses HEAD with 403 (stores.py's /get-only/): its size comes from the Content-Range of
+    a one-byte ranged GET, and it is read as any other."""
+    data = bytes(range(256)) * 40
+    (tmp_path / "t.npy").write_bytes(data)
+    url = stores.publish(tmp_path / "t.npy", "get-only", f"t-{uuid.uuid4().hex[:6]}.npy") + "?X-Amz-Signature=abc"
+    stores.http.server.requests.clear()
+    assert storage.size(url) == len(data) and storage.exists(url)
+    assert stores.http.server.requests[0] == ("GET", url.split(stores.http.url)[1].split("?")[0], "bytes=0-0")
+    assert storage.read_bytes(url, 1000, 1010) == data[1000:1010]
+
+
+def test_a_malformed_url_and_a_refused_request_fail_at_once(stores, monkeypatch):
+    """A URL requests cannot send and a 4xx other than 401/403/404/408/425/429 are permanent: one sentence naming
+    the URL at once, not two minutes of retries."""
+    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "30")
+    t = time.monotonic()
+    for url in ("http://127.0.0.1:notaport/x.npy", "http://u:secret@[127.0.0.1/x.npy?sig=secret"):
+        with pytest.raises(storage.BadRequest, match="was refused .*check the URL") as e:
+            storage.read_bytes(url, 0, 8)
+        assert e.value.code == exits.BAD_INPUT and "secret" not in str(e.value)
+    with pytest.raises(storage.BadRequest, match="bad-request/x.npy was refused .*HTTP 400"):
+        storage.read_bytes(stores.url("http", "bad-request", "x.npy"), 0, 8)
+    assert time.monotonic() - t < 5
 
 
 def test_http_missing_and_denied_are_permanent(stores):
@@ -193,24 +323,43 @@ def test_a_store_back_within_the_retries_loses_nothing(stores, prefix):
 
 
 def test_failures_are_classified_as_each_library_reports_them():
-    """What gcsfs, s3fs/botocore, google-cloud-storage and requests raise for a denied, missing or failing request
-    (the emulators check no credentials, so the denied cases are the libraries' own exception types)."""
+    """What gcsfs, s3fs/botocore, google-cloud-storage, requests, aiohttp and urllib3 raise for a denied, missing,
+    refused or failing request, decided by type (the emulators check no credentials, so the denied cases are the
+    libraries' own exception types). requests' exceptions are OSErrors without an errno: a malformed URL must not
+    pass for a server error."""
+    import aiohttp
     import botocore.exceptions
     import requests
+    import urllib3.exceptions
     from google.api_core import exceptions as gexc
 
+    def client_error(status, code):
+        return botocore.exceptions.ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                                               "GetObject")
+
     denied = [OSError("Forbidden: test/o\nAccess denied."), PermissionError("Access Denied"),
-              botocore.exceptions.NoCredentialsError(), gexc.Forbidden("no"), storage.HttpStatus(403, "https://h/x")]
-    missing = [FileNotFoundError("test/x"), gexc.NotFound("no"), storage.HttpStatus(404, "https://h/x")]
+              botocore.exceptions.NoCredentialsError(), gexc.Forbidden("no"), storage.HttpStatus(403, "https://h/x"),
+              client_error(403, "AccessDenied")]
+    missing = [FileNotFoundError("test/x"), gexc.NotFound("no"), storage.HttpStatus(404, "https://h/x"),
+               client_error(404, "NoSuchKey")]
     transient = [storage.HttpStatus(503, "https://h/x"), storage.HttpStatus(429, "https://h/x"),
-                 gexc.ServiceUnavailable("later"), requests.exceptions.ConnectionError("refused"),
-                 ConnectionRefusedError(111, "refused"), TimeoutError("slow"),
-                 botocore.exceptions.EndpointConnectionError(endpoint_url="http://h"), OSError("server error")]
-    bugs = [ValueError("a bug"), KeyError("x"), FileExistsError("x")]
-    assert [storage.failure_kind(e) for e in denied] == ["denied"] * len(denied)
-    assert [storage.failure_kind(e) for e in missing] == ["missing"] * len(missing)
-    assert [storage.failure_kind(e) for e in transient] == ["transient"] * len(transient)
-    assert [storage.failure_kind(e) for e in bugs] == [None] * len(bugs)
+                 gexc.ServiceUnavailable("later"), gexc.RetryError("gave up", None),
+                 requests.exceptions.ConnectionError("refused"), requests.exceptions.ReadTimeout("slow"),
+                 requests.exceptions.ChunkedEncodingError("cut"), ConnectionRefusedError(111, "refused"),
+                 TimeoutError("slow"), botocore.exceptions.EndpointConnectionError(endpoint_url="http://h"),
+                 botocore.exceptions.ReadTimeoutError(endpoint_url="http://h"), client_error(500, "InternalError"),
+                 aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError("cut"),
+                 urllib3.exceptions.ProtocolError("reset"), OSError("server error")]
+    refused = [storage.HttpStatus(400, "https://h/x"), storage.HttpStatus(416, "https://h/x"),
+               requests.exceptions.InvalidURL("Failed to parse"), requests.exceptions.MissingSchema("no scheme"),
+               requests.exceptions.SSLError("bad certificate"), aiohttp.InvalidURL("http://[x"),
+               urllib3.exceptions.LocationParseError("h:port"), client_error(400, "InvalidRequest")]
+    bugs = [ValueError("a bug"), KeyError("x"), FileExistsError("x"),
+            botocore.exceptions.ParamValidationError(report="bad parameter")]
+    for kind, errors in (("denied", denied), ("missing", missing), ("transient", transient), ("refused", refused),
+                         (None, bugs)):
+        got = [storage.failure_kind(e) for e in errors]
+        assert got == [kind] * len(errors), [(type(e).__name__, k) for e, k in zip(errors, got) if k != kind]
 
 
 def test_no_credential_or_signature_reaches_config_yaml(tmp_path):
@@ -234,3 +383,25 @@ def test_an_ending_process_does_not_wait_out_its_readers_retries():
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OLMO3EQX_STORAGE_RETRY_SECONDS": "600"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "retrying for up to 600 s" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_config_is_read_back_from_every_store(stores, prefix, tmp_path):
+    """The config.yaml a run writes into its bucket, read back from gs://, s3:// and https:// (load_yaml, and train.py's
+    --config); a missing one and an unknown scheme are one sentence naming the URL."""
+    from olmo3eqx.config import DataConfig, TrainConfig, dump_yaml, load_yaml
+    from olmo3eqx.train import parse_args
+
+    cfg = TrainConfig(steps=7, data=DataConfig(seq_len=32, global_batch=4))
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    urls = [stores.publish(tmp_path / "config.yaml", f"cfg-{uuid.uuid4().hex[:6]}", "config.yaml")]
+    for scheme in BUCKETS:
+        urls.append(storage.join(prefix(scheme), "config.yaml"))
+        dump_yaml(cfg, urls[-1])
+    for url in urls:
+        assert load_yaml(url) == cfg, url
+        assert parse_args(["--config", url, "--steps", "9"])[0].steps == 9
+    missing = storage.join(prefix("s3"), "none.yaml")
+    with pytest.raises(ConfigError, match=f"Config file {missing} does not exist"):
+        load_yaml(missing)
+    with pytest.raises(storage.UnsupportedPath, match="az://"):
+        load_yaml("az://container/config.yaml")

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from olmo3eqx import exits
 from olmo3eqx.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,18 +189,47 @@ def keep_metrics_until(run_dir, step: int) -> None:
     metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= step))
 
 
-def test_torn_newest_checkpoint_falls_back_and_replays(setup, reference):
+FAIL_READS = """
+import errno, sys
+from orbax.checkpoint._src.serialization import serialization
+
+async def unreadable(*args, **kwargs):
+    raise OSError(errno.EIO, "Input/output error (test: the disk fails under the restore)")
+
+serialization.async_deserialize = unreadable
+from olmo3eqx.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""train.py with every array read of orbax's restore failing as a failing disk fails it (EIO)."""
+
+
+def test_torn_newest_checkpoint_is_skipped_but_never_while_the_storage_fails(setup, reference):
+    """Checkpoint 12's data torn. A launch whose reads fail (EIO) stops with exit 74 and one sentence and sets nothing
+    aside, not even the torn step; the relaunch skips 12 (renamed whole, for inspection), resumes from 8 and replays
+    bit-identically."""
     base, cfg = setup
     run_dir = base / "torn"
     shutil.copytree(reference, run_dir)
     ckpt = run_dir / "e2e" / "checkpoints"
-    for f in (ckpt / "12" / "state").rglob("*"):
-        if f.is_file() and f.name != "_METADATA":
-            f.write_bytes(b"")  # torn array data
+    for f in (ckpt / "12" / "state" / "ocdbt.process_0" / "d").iterdir():
+        f.write_bytes(b"")  # torn array data (its metadata intact: orbax reads both at once, and a second failure
+        # beside the EIO would be echoed by asyncio as an exception never retrieved)
     keep_metrics_until(run_dir, 8)
+    before = sorted(q.name for q in ckpt.iterdir())
+    p = subprocess.run([sys.executable, "-c", FAIL_READS, *command(cfg, run_dir)[2:]], env=env(), capture_output=True,
+                       text=True, timeout=600)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode == exits.STORAGE and len(errors) == 1, p.stderr[-3000:]
+    assert f"Checkpoint {ckpt / '12'} could not be read (OSError: [Errno 5]" in errors[0], errors  # not skipped
+    assert "nothing was set aside" in errors[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert sorted(q.name for q in ckpt.iterdir()) == before
+
     p = run(cfg, run_dir)
-    assert "could not be restored" in p.stderr and "falling back" in p.stderr
+    assert f"checkpoint {ckpt / '12'} is incomplete or damaged" in p.stderr and "falling back" in p.stderr
+    assert f"resumed from {ckpt / '8'}" in p.stderr
     assert_same_run(run_dir, reference)
+    set_aside = [q.name for q in ckpt.iterdir() if q.name.startswith("12.unreadable-")]
+    assert len(set_aside) == 1 and (ckpt / set_aside[0] / "state").is_dir()  # kept whole, for inspection
 
 
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(setup, reference):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import os
 import re
@@ -41,7 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
-from olmo3eqx import storage
+from olmo3eqx import exits, storage
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
 from olmo3eqx.model import OLMo3, abstract_model
 from olmo3eqx.sharding import is_leaf_like, with_shardings
@@ -218,7 +219,7 @@ def load_model(ckpt_dir: str | StorePath, sharding=None) -> tuple[OLMo3, ModelCo
 TRAIN_ITEMS = (STATE, "data", "config")
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(exits.CommandError, RuntimeError):
     """Every checkpoint in a run directory failed to load: never start from scratch over them."""
 
 
@@ -241,10 +242,8 @@ def remote_failure(e: BaseException | None) -> str | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        found = TENSORSTORE_UNREACHABLE.search(str(e))
-        if found or storage.failure_kind(e) is not None:
-            text = str(e).strip().splitlines()
-            return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+        if TENSORSTORE_UNREACHABLE.search(str(e)) or storage.failure_kind(e) is not None:
+            return storage.first_line(e)
         e = e.__cause__ or e.__context__
     return None
 
@@ -262,6 +261,116 @@ def storage_errno(e: BaseException | None) -> int | None:
             return int(found.group(1))
         e = e.__cause__ or e.__context__
     return None
+
+
+UNREADABLE = ".unreadable"
+"""Suffix of what a resume sets aside of a damaged step: the marker beside it in a bucket, the step renamed locally."""
+RESTORE_OUTCOMES = ("ok", "corrupt", "storage", "denied", "config", "memory", "error")
+"""What restoring a step came to on one process, in the order processes' outcomes are weighed: the verdict is the
+last any process reached, so a step is skipped only when every process restored it or found it damaged."""
+TENSORSTORE_STATUS = re.compile(r"\b(DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|NOT_FOUND|UNAVAILABLE|"
+                                r"DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED|ABORTED|PERMISSION_DENIED|UNAUTHENTICATED)\b")
+"""tensorstore's status codes, which orbax's errors carry in their text."""
+STATUS_OUTCOMES = {"DATA_LOSS": "corrupt", "OUT_OF_RANGE": "corrupt", "FAILED_PRECONDITION": "corrupt",
+                   "NOT_FOUND": "corrupt", "UNAVAILABLE": "storage", "DEADLINE_EXCEEDED": "storage",
+                   "RESOURCE_EXHAUSTED": "storage", "ABORTED": "storage", "PERMISSION_DENIED": "denied",
+                   "UNAUTHENTICATED": "denied"}
+"""What each means in a read of a committed step: the data is not what its index says (a checksum or length that
+does not match, a chunk that does not decode, a part missing), or the store failed or refused."""
+OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
+"""XLA's and tensorstore's words for an allocation that failed (XLA: RESOURCE_EXHAUSTED: Out of memory ...)."""
+
+
+class CheckpointOutOfMemory(exits.CommandError):
+    """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept. A relaunch on the
+    same devices would run out the same way: bad input (more devices, or more memory)."""
+
+    code = exits.BAD_INPUT
+
+
+def restore_failure(e: BaseException) -> tuple[str, BaseException]:
+    """What an exception raised while restoring a committed step means, as one of RESTORE_OUTCOMES, and the link of
+    its cause chain that says so (the first that does; orbax wraps tensorstore's words in its own): 'corrupt' only
+    when the step itself is verifiably incomplete or damaged (a part of it missing; data shorter than its index
+    says, or that does not decode: tensorstore's DATA_LOSS, OUT_OF_RANGE, FAILED_PRECONDITION, NOT_FOUND; metadata
+    that does not parse), 'storage' when the store failed (unreachable, timed out, an I/O error), 'denied',
+    'memory' (a device or the host ran out), 'config' (a ConfigError), else 'error' (a bug keeps its traceback)."""
+    seen, link = set(), e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        outcome = _restore_failure_of(link)
+        if outcome is not None:
+            return outcome, link
+        link = link.__cause__ or link.__context__
+    return "error", e
+
+
+def _restore_failure_of(e: BaseException) -> str | None:
+    if isinstance(e, storage.AccessDenied):
+        return "denied"
+    if isinstance(e, StorageError):
+        return "storage"
+    if isinstance(e, ConfigError):
+        return "config"
+    if isinstance(e, MemoryError) or OUT_OF_MEMORY.search(str(e)):
+        return "memory"
+    if isinstance(e, json.JSONDecodeError) or "incomplete checkpoint" in str(e):  # orbax's own completeness check
+        return "corrupt"
+    code = e.errno if isinstance(e, OSError) else None
+    found = TENSORSTORE_ERRNO.search(str(e))
+    code = int(found.group(1)) if found else code
+    if code == errno.ENOMEM:
+        return "memory"
+    if code in STORAGE_ERRNOS or code in storage.TRANSIENT_ERRNOS:
+        return "storage"
+    found = TENSORSTORE_STATUS.search(str(e))
+    if found:
+        return STATUS_OUTCOMES[found.group(1)]
+    kind = storage.failure_kind(e)
+    return {"missing": "corrupt", "transient": "storage", "denied": "denied"}.get(kind)
+
+
+def restore_error(verdict: str, where, on: str, outcome: str, value: BaseException, reason: str) -> BaseException:
+    """The error a resume stops with when the processes' verdict on a step is `verdict` (not 'ok' or 'corrupt'):
+    this process's own exception where it is the verdict's and already one sentence, else one naming the step."""
+    if verdict == "storage":
+        return StorageError(f"Checkpoint {where} could not be read{on} ({reason}); nothing was set aside: check that "
+                            f"the store is reachable and relaunch to resume from it.")
+    if verdict == "memory":
+        return CheckpointOutOfMemory(
+            f"Restoring checkpoint {where} ran out of memory{on} ({reason}); the checkpoint is kept: resume on "
+            f"devices with more memory or on more of them (the state is sharded over them), or free host memory.")
+    if outcome == verdict and isinstance(value, exits.CommandError):
+        return value
+    if verdict == "denied":
+        return storage.AccessDenied(f"Reading checkpoint {where} was denied{on} ({reason}); check the credentials "
+                                    f"this host uses for the store.")
+    if verdict == "config":
+        return ConfigError(f"Checkpoint {where} does not fit this run's config{on} ({reason}).")
+    if outcome == verdict:
+        return value
+    return RuntimeError(f"Restoring checkpoint {where} failed{on}; that process's traceback says why.")
+
+
+def agreed_steps(steps: list[int]) -> list[int]:
+    """Process 0's `steps` on every process (a listing of a bucket may differ between hosts for a moment)."""
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+
+    count = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
+    mine = np.asarray(steps if jax.process_index() == 0 else [0] * count, np.int32).reshape(count)
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)]
+
+
+def agree(outcome: str) -> list[str]:
+    """Every process's outcome (one of RESTORE_OUTCOMES), by process index, the same list on every process."""
+    if jax.process_count() == 1:
+        return [outcome]
+    from jax.experimental import multihost_utils
+
+    codes = multihost_utils.process_allgather(np.array([RESTORE_OUTCOMES.index(outcome)], np.int32))
+    return [RESTORE_OUTCOMES[int(c)] for c in np.asarray(codes).reshape(-1)]
 
 
 def tree_bytes(tree) -> int:
@@ -431,9 +540,6 @@ class Checkpointer:
         self._translate(self.manager.wait_until_finished, self._writing)
         self._writing = None
 
-    def read_config(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-
     def restore(self, step: int, target):
         """(state, data_state) of `step`. `target` is the train state as sharded ShapeDtypeStructs of the current
         mesh (Layout.state_target()), so the restore lands resharded."""
@@ -442,43 +548,93 @@ class Checkpointer:
         return out[STATE], out["data"]
 
     def restore_latest(self, target, model_cfg: ModelConfig, warn=print):
-        """The newest checkpoint that loads, falling back over torn or unreadable ones with a warning; None when
-        the directory has no checkpoint; CheckpointLoadError when it has some and none loads. A readable
-        checkpoint whose model config differs from `model_cfg` is a ConfigError, not a fallback."""
-        steps = self.steps()
-        errors = []
+        """(step, state, data state) of the newest checkpoint that restores; None when the directory has none.
+
+        Only a step that is verifiably incomplete or damaged (restore_failure: 'corrupt') is skipped, with a warning,
+        for the one before it; whatever else restoring raises stops here and sets nothing aside: a store that failed
+        is a StorageError (exit 74: the relaunch resumes from the same step), running out of memory is
+        CheckpointOutOfMemory, a model config that differs from `model_cfg` a ConfigError, anything else its own
+        exception. With several processes, process 0's list of steps is the one tried, every process tries each
+        step whatever happens on the others, and all take one verdict from everyone's outcome, so all restore the
+        same step. Skipped steps are set aside once one restores (`_set_aside`); when some exist and none
+        restores, CheckpointLoadError (never start from scratch over them)."""
+        steps = agreed_steps(self.steps())
+        skipped = []
         for step in reversed(steps):
-            try:
-                config = self.read_config(step)
-            except Exception as e:  # noqa: BLE001
-                config, read_error = None, e
-            if config is not None:
-                check_model_config(config, model_cfg, str(self.directory / str(step)))
-            try:
-                if config is None:
-                    raise read_error
-                state, data_state = self.restore(step, target)
-                self._set_aside([s for s in steps if s > step])
-                return step, state, data_state
-            except Exception as e:  # noqa: BLE001 - any failure to read a step means: try the previous one
-                errors.append(f"step {step}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                warn(f"warning: checkpoint {self.directory / str(step)} could not be restored "
-                     f"({errors[-1]}); falling back to the previous one.")
+            where = self.directory / str(step)
+            outcome, value = self._attempt(step, target, model_cfg)
+            outcomes = agree(outcome)
+            verdict = max(outcomes, key=RESTORE_OUTCOMES.index)
+            if verdict == "ok":
+                self._set_aside(skipped)
+                return step, *value
+            seen = [i for i, o in enumerate(outcomes) if o == verdict]
+            on = f" on process{'es' if len(seen) > 1 else ''} {', '.join(map(str, seen))}" if len(outcomes) > 1 \
+                else ""
+            reason = storage.first_line(value[1]) if outcome == verdict else "its own log says why"
+            if verdict != "corrupt":
+                raise restore_error(verdict, where, on, outcome, value[0], reason)
+            if outcome == "corrupt" and jax.process_index() != 0:  # process 0 warns with the others' words
+                print(f"warning (process {jax.process_index()}): checkpoint {where} is incomplete or damaged "
+                      f"({reason}).", file=sys.stderr, flush=True)
+            warn(f"warning: checkpoint {where} is incomplete or damaged{on} ({reason}); falling back to the "
+                 f"previous one.")
+            skipped.append((step, f"{verdict}{on}: {reason}"))
         if steps:
             raise CheckpointLoadError(
-                f"None of the checkpoints in {self.directory} could be restored ({'; '.join(errors)}); refusing to "
-                f"start from scratch over them. Fix or move the directory, or use a new run.name.")
+                f"None of the checkpoints in {self.directory} could be restored (steps {', '.join(map(str, steps))} "
+                f"are incomplete or damaged: {'; '.join(r for _, r in skipped)}); refusing to start from scratch "
+                f"over them. Fix or move the directory, or use a new run.name.")
         return None
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Rename unreadable newer steps to `<step>.unreadable-<unix time>`: kept for inspection, out of the way of
-        the steps the resumed run will write again."""
-        if not steps:
+    def _attempt(self, step: int, target, model_cfg: ModelConfig) -> tuple[str, Any]:
+        """(outcome, (state, data state)) of restoring `step` on this process, or (outcome, (the exception, the link
+        of its cause chain that decided the outcome)). orbax's restore ends in a barrier of every process, which a
+        process that raised before it never reaches: the restorer here has none (its active processes are this one),
+        so every process comes back, whatever happened, to `agree`."""
+        me = jax.process_index()
+        restorer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(), multiprocessing_options=(
+            ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})))
+        step_dir = self.directory / str(step)
+        try:
+            missing = [item for item in TRAIN_ITEMS if not (step_dir / item).exists()]
+            if missing:  # orbax would raise a KeyError naming the item
+                raise FileNotFoundError(f"{step_dir} has no {', '.join(missing)}")
+            config = restorer.restore(step_dir, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            check_model_config(config, model_cfg, str(step_dir))
+            out = restorer.restore(step_dir, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+            return "ok", (out[STATE], out["data"])
+        except Exception as e:  # noqa: BLE001 - classified by restore_failure; `agree` decides what it means
+            outcome, said = restore_failure(e)
+            return outcome, (e, said)
+        finally:
+            restorer.close()
+
+    def _set_aside(self, skipped: list[tuple[int, str]]) -> None:
+        """Take the skipped (newer) steps out of the way of the steps the resumed run writes again, keeping their
+        files for inspection and copying nothing. On a bucket a marker `<step>.unreadable` beside the step says why,
+        and the step's commit marker is deleted: orbax and every reader here then see a torn step, which the
+        resumed run's save of that step replaces. Locally, where orbax commits a step by renaming it into place (its
+        name is its commit), it is renamed `<step>.unreadable-<unix time>` (one metadata operation). Process 0
+        does it while the others wait; then every process reads the steps again."""
+        if not skipped:
             return
         if jax.process_index() == 0:
             stamp = int(time.time())
-            for step in steps:
-                storage.move_tree(str(self.directory / str(step)), str(self.directory / f"{step}.unreadable-{stamp}"))
+            for step, reason in skipped:
+                step_dir = str(self.directory / str(step))
+                if self.remote:
+                    record = {"step": step, "skipped_at": stamp, "reason": reason}
+                    storage.write_text(str(self.directory / f"{step}{UNREADABLE}"), json.dumps(record) + "\n")
+                    storage.remove(storage.join(step_dir, COMMITTED))
+                else:
+                    os.replace(step_dir, self.directory / f"{step}{UNREADABLE}-{stamp}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("olmo3eqx: unreadable checkpoints set aside")
+        storage.forget_listings(str(self.directory))  # what the restore listed holds the steps set aside
         self.manager.reload()
 
     def close(self) -> None:

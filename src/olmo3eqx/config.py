@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from olmo3eqx import exits
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 SPLASH_LANES = 128
@@ -28,7 +30,7 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minim
 AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
 
 
-class ConfigError(ValueError):
+class ConfigError(exits.CommandError, ValueError):
     """A configuration that contradicts itself or its input; the message names the field and the fix."""
 
 
@@ -690,13 +692,17 @@ def to_dict(cfg: Any) -> dict:
 
 
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist; pass --config with a path such as configs/tiny.yaml.")
-    with open(path) as f:
-        d = yaml.safe_load(f) or {}
+    """`cls` from a YAML file: a local path or a gs://, s3:// or https:// URL (a run's config.yaml read back from its
+    bucket)."""
+    from olmo3eqx import storage
+
+    path = storage.check(path, "Config file")
+    if not storage.isfile(path):
+        raise ConfigError(f"Config file {storage.redact(path)} does not exist; pass --config with a path such as "
+                          f"configs/tiny.yaml.")
+    d = yaml.safe_load(storage.read_text(path)) or {}
     if not isinstance(d, dict):
-        raise ConfigError(f"Config file {path} must hold a mapping at the top level.")
+        raise ConfigError(f"Config file {storage.redact(path)} must hold a mapping at the top level.")
     return from_dict(cls, d)
 
 

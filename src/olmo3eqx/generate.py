@@ -31,7 +31,7 @@ MIN_BUCKET = 16
 """Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
 
 
-class GenerationError(ValueError):
+class GenerationError(exits.CommandError, ValueError):
     """Bad input to generation (an empty prompt, an id outside the vocabulary, too long, no tokenizer)."""
 
 
@@ -192,8 +192,8 @@ class Args:
     file: str | None = None
     """JSONL of prompts: {"prompt": ...} objects or JSON strings, one per line."""
     out: str | None = None
-    """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here (default:
-    stdout)."""
+    """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here, a local path or
+    a gs:// or s3:// URL (default: stdout)."""
     max_new_tokens: int = 128
     """Most tokens to generate per prompt."""
     temperature: float = 0.0
@@ -243,27 +243,20 @@ def read_prompt_file(path: str) -> list[str]:
     return prompts
 
 
+@exits.command
 def main(argv: list[str] | None = None) -> int:
-    args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
-    from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
-    from olmo3eqx.hf import ConversionError
-
-    try:
-        return run(args)
-    except (GenerationError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.BAD_INPUT
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.STORAGE
+    return run(tyro.cli(Args, args=argv, description=__doc__.splitlines()[0]))
 
 
 def run(args: Args) -> int:
     from olmo3eqx import decode as dec
+    from olmo3eqx import storage
     from olmo3eqx.hf.parity import with_dtype
     from olmo3eqx.tasks import Tokenizer
     from olmo3eqx.tools.evaluate import load_any
 
+    if args.out:  # before the model loads: an --out nothing can write to is said at once
+        storage.write_bytes(storage.check(args.out, "--out", write=True), b"")
     prompts = list(args.prompts)
     if args.file:
         prompts += read_prompt_file(args.file)
@@ -302,20 +295,18 @@ def run(args: Args) -> int:
         print(f"[{len(c.tokens)} tokens in {dt:.1f} s, ended by {c.finish}; step {step} of {args.ckpt}]",
               file=sys.stderr)
         return exits.OK
-    sink = open(args.out, "w") if args.out else sys.stdout
-    try:
-        for start in range(0, len(ids), args.batch_size):
-            batch = ids[start:start + args.batch_size]
-            done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
-                            stop=stop, decode=tokenizer.decode, mesh=mesh)
-            for p, c in zip(prompts[start:start + len(batch)], done):
-                sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
-                                       "tokens": len(c.tokens)}) + "\n")
-            sink.flush()
-            print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
+    for start in range(0, len(ids), args.batch_size):
+        batch = ids[start:start + args.batch_size]
+        done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
+                        stop=stop, decode=tokenizer.decode, mesh=mesh)
+        lines = "".join(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish, "tokens": len(c.tokens)})
+                        + "\n" for p, c in zip(prompts[start:start + len(batch)], done))
+        if args.out:  # a batch at a time: a local file or an object in a bucket (appended once, see storage)
+            storage.append_bytes(args.out, lines.encode())
+        else:
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
     return exits.OK
 
 

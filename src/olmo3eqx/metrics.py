@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from olmo3eqx import flops, storage
-from olmo3eqx.config import LogConfig
+from olmo3eqx.config import ConfigError, LogConfig
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -299,7 +299,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path} line {i + 1} is not valid JSON: {line[:80]!r}.") from None
+            raise ConfigError(f"{storage.redact(path)} line {i + 1} is not valid JSON: {line[:80]!r}.") from None
         records.append({k: math.nan if v is None else v for k, v in rec.items()})
     return records
 

@@ -1,7 +1,7 @@
 """One notion of a path for everything a run reads or writes: a local path, or a URL.
 
 - `gs://bucket/key` (Google Cloud Storage) and `s3://bucket/key` (Amazon S3 and S3-compatible stores: R2, MinIO, ...):
-  read and written, through fsspec's gcsfs and s3fs (the `cloud` extra: `pip install 'olmo3eqx[cloud]'`), which
+  read and written, through fsspec's gcsfs and s3fs (the `cloud` extra: `pip install -e ".[cloud]"`), which
   orbax's paths (etils.epath) use too, so a checkpoint and a metrics file reach a bucket with the same credentials.
 - `http://` and `https://`: read only (token files, mix roots, task files), one HTTP Range request per read
   (requests, a core dependency); a server that ignores Range is an error, never a whole-file download.
@@ -14,10 +14,11 @@ variables are honoured: `STORAGE_EMULATOR_HOST` (and, from it, tensorstore's `TE
 `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3`. `redact` strips credentials and signatures from a URL before it is
 printed or stored.
 
-Failures: a missing object is FileNotFoundError, a denied one (401/403, or no credentials) `AccessDenied`, both
-permanent and named in one sentence. Transient ones (timeouts, refused connections, 408/429/5xx) are retried with
+Failures are told apart by the exception's type (`failure_kind`): a missing object is FileNotFoundError, a denied
+one (401/403, or no credentials) `AccessDenied`, another 4xx answer or a malformed URL `BadRequest`, each permanent
+and named in one sentence at once. Transient ones (connection errors, timeouts, 408/425/429/5xx) are retried with
 exponential backoff for up to `retry_seconds()` (120 s; `OLMO3EQX_STORAGE_RETRY_SECONDS`), then `StorageError`
-(exit 74: relaunch to resume once the store is back).
+(exit 74: relaunch to resume once the store is back), as is a ranged read that stays short.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.thread  # noqa: F401 - see _stopping
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -43,13 +45,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 from etils import epath
 
+from olmo3eqx import exits
 from olmo3eqx.config import ConfigError
 
 WRITABLE = ("gs", "s3")
 """Schemes a run can write to (run.dir, convert.py's --out, checkpoints) and read from."""
 READ_ONLY = ("http", "https")
 """Schemes read one Range request at a time; nothing is ever written there and they cannot be listed."""
-CLOUD_EXTRA = "pip install 'olmo3eqx[cloud]'"
+CLOUD_EXTRA = 'pip install -e ".[cloud]"'
 RETRY_SECONDS = 120.0
 """How long a transient failure (timeouts, refused connections, 408/429/5xx) is retried before the run stops with
 exit 74; override with OLMO3EQX_STORAGE_RETRY_SECONDS."""
@@ -65,10 +68,12 @@ StorePath = Path | epath.Path
 """What `path` returns: a pathlib.Path for a local path, an etils.epath.Path for gs:// and s3://."""
 
 
-class StorageError(RuntimeError):
+class StorageError(exits.CommandError, RuntimeError):
     """A write to the run's storage failed (disk full, quota, I/O error), its free space cannot hold the next
-    checkpoint, or a store stayed unreachable past the retries: the run stops with exits.STORAGE; the committed
-    checkpoints are intact."""
+    checkpoint, a store stayed unreachable past the retries, or a read stayed short: the command stops with
+    exits.STORAGE; the committed checkpoints are intact."""
+
+    code = exits.STORAGE
 
 
 class UnsupportedPath(ConfigError):
@@ -85,6 +90,11 @@ class AccessDenied(ConfigError):
 
 class RangeIgnored(ConfigError):
     """An http(s) server answered a Range request with the whole file, or with other bytes than asked."""
+
+
+class BadRequest(ConfigError):
+    """A malformed URL, or a request the store refuses as such (a 4xx answer other than 401/403/404/408/425/429):
+    permanent, so never retried."""
 
 
 # --- paths -----------------------------------------------------------------------------------------
@@ -156,7 +166,11 @@ def redact(p: str | os.PathLike) -> str:
     s = str(p)
     if not is_url(s):
         return s
-    parts = urlsplit(s)
+    try:
+        parts = urlsplit(s)
+    except ValueError:  # malformed (an unclosed IPv6 bracket): redacted by hand, for the sentence that says so
+        head, query, _ = s.partition("?")
+        return re.sub(r"//[^/]*@", "//***@", head) + ("?***" if query else "")
     netloc = parts.netloc
     if "@" in netloc:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
@@ -221,7 +235,9 @@ def filesystem(s: str):
     if s == "s3" and s3_anonymous():
         fsspec.config.conf.setdefault("s3", {}).setdefault("anon", True)
     try:
-        return fsspec.filesystem(s)
+        # etils.epath opens GCS as protocol "gcs" with finalize_on_close: the same arguments give the same instance
+        # (fsspec caches them), so orbax's paths and ours share one client and one cache of listings
+        return fsspec.filesystem("gcs", finalize_on_close=True) if s == "gs" else fsspec.filesystem(s)
     except ImportError:
         module = {"gs": "gcsfs", "s3": "s3fs"}.get(s, s)
         raise MissingExtra(f"{s}:// paths need {module}, which is not installed: {CLOUD_EXTRA}.") from None
@@ -239,6 +255,14 @@ def _fresh(fs, url: str):
     return fs
 
 
+def forget_listings(p: str) -> None:
+    """Drop every listing this process's client of `p`'s store has cached (orbax's too: they share it), after
+    another process changed a directory there; nothing for a local path."""
+    s = scheme(p)
+    if s in WRITABLE:
+        filesystem(s).invalidate_cache()
+
+
 # --- failures and retries ---------------------------------------------------------------------------
 
 
@@ -250,41 +274,39 @@ class HttpStatus(OSError):
         self.status = status
 
 
-TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+TRANSIENT_HTTP = frozenset({408, 425, 429})
+"""4xx answers worth another try (every 5xx is too)."""
 TRANSIENT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT,
                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN})
 
 
+def http_kind(status: int) -> str:
+    """failure_kind of an HTTP status that is not a success."""
+    if status in (401, 403):
+        return "denied"
+    if status in (404, 410):
+        return "missing"
+    if status in TRANSIENT_HTTP or status >= 500:
+        return "transient"
+    return "refused"
+
+
 def failure_kind(e: BaseException) -> str | None:
-    """'missing', 'denied' or 'transient' for a failure of a remote operation; None when it is none of these (a bug
-    keeps its traceback)."""
+    """What a failure of a remote operation means, decided by the exception's type (and an HTTP status where it
+    carries one): 'missing' (404/410), 'denied' (401/403, no credentials), 'refused' (another 4xx, a malformed URL,
+    a TLS failure: permanent, so never retried), 'transient' (connection errors, timeouts, 408/425/429/5xx); None
+    when it is none of these (a bug keeps its traceback)."""
     code = getattr(e, "status", None) or getattr(e, "code", None)
-    if isinstance(code, int) and 100 <= code < 600:  # an HTTP status (gcsfs, google-cloud-storage, ours)
-        if code in (401, 403):
-            return "denied"
-        if code in (404, 410):
-            return "missing"
-        return "transient" if code in TRANSIENT_HTTP or code >= 500 else None
+    if isinstance(code, int) and 100 <= code < 600:  # an HTTP status (aiohttp, gcsfs, google-cloud-storage, ours)
+        return http_kind(code) if code >= 400 else None
     if isinstance(e, FileNotFoundError):
         return "missing"
     if isinstance(e, PermissionError) or (type(e) is OSError and str(e).startswith("Forbidden")):  # gcsfs's 403
         return "denied"
-    name = type(e).__name__
-    if name in ("NoCredentialsError", "PartialCredentialsError", "RefreshError", "DefaultCredentialsError"):
-        return "denied"
-    if name in ("ClientError",):  # botocore, not translated by s3fs
-        err = getattr(e, "response", {}).get("Error", {})
-        status = getattr(e, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if err.get("Code") in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status in (401, 403):
-            return "denied"
-        if err.get("Code") in ("NoSuchKey", "NoSuchBucket") or status == 404:
-            return "missing"
-        return "transient" if status in TRANSIENT_HTTP or status >= 500 else None
-    module = type(e).__module__
-    if isinstance(e, (TimeoutError, ConnectionError)) or module.startswith(
-            ("aiohttp", "requests", "urllib3", "google.api_core", "google.auth.exceptions")):
-        return "transient"
-    if module.startswith("botocore") and name.endswith(("ConnectionError", "TimeoutError", "ClosedError")):
+    kind = _client_kind(e)
+    if kind is not None:
+        return kind
+    if isinstance(e, (TimeoutError, ConnectionError)):
         return "transient"
     if isinstance(e, OSError) and not isinstance(e, (FileExistsError, IsADirectoryError, NotADirectoryError)):
         # gcsfs/s3fs raise plain OSErrors for server errors they gave up retrying
@@ -292,11 +314,60 @@ def failure_kind(e: BaseException) -> str | None:
     return None
 
 
+def _client_kind(e: BaseException) -> str | None:
+    """failure_kind by the types of the storage clients' own exceptions (botocore, requests, aiohttp, urllib3,
+    google-api-core, google-auth). Each module is looked up only if it is imported: one that is not raised nothing."""
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        if isinstance(e, botocore.ClientError):  # an S3 answer s3fs did not translate
+            response = e.response or {}
+            if response.get("Error", {}).get("Code") in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return "denied"
+            if response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket"):
+                return "missing"
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return http_kind(status) if status >= 400 else None
+        if isinstance(e, (botocore.NoCredentialsError, botocore.PartialCredentialsError)):
+            return "denied"
+        if isinstance(e, botocore.SSLError):
+            return "refused"
+        if isinstance(e, (botocore.ConnectionError, botocore.HTTPClientError)):
+            return "transient"
+        if isinstance(e, botocore.BotoCoreError):
+            return None
+    requests = sys.modules.get("requests.exceptions")
+    if requests is not None and isinstance(e, requests.RequestException):
+        if isinstance(e, (requests.InvalidURL, requests.MissingSchema, requests.InvalidSchema, requests.InvalidHeader,
+                          requests.URLRequired, requests.SSLError, requests.TooManyRedirects)):
+            return "refused"
+        if isinstance(e, (requests.ConnectionError, requests.Timeout, requests.ChunkedEncodingError,
+                          requests.ContentDecodingError)):
+            return "transient"
+        response = getattr(e, "response", None)
+        return http_kind(response.status_code) if response is not None and response.status_code >= 400 else None
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None and isinstance(e, aiohttp.ClientError):
+        if isinstance(e, (aiohttp.InvalidURL, aiohttp.ClientSSLError)):
+            return "refused"
+        return "transient" if isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)) else None
+    urllib3 = sys.modules.get("urllib3.exceptions")
+    if urllib3 is not None and isinstance(e, urllib3.HTTPError):
+        return "refused" if isinstance(e, (urllib3.LocationValueError, urllib3.SSLError)) else "transient"
+    google_auth = sys.modules.get("google.auth.exceptions")
+    if google_auth is not None and isinstance(e, google_auth.GoogleAuthError):
+        return "transient" if isinstance(e, google_auth.TransportError) else "denied"
+    google_api = sys.modules.get("google.api_core.exceptions")
+    if google_api is not None and isinstance(e, google_api.RetryError):  # the client's own retries ran out
+        return "transient"
+    return None
+
+
 def retry_seconds() -> float:
     return float(os.environ.get("OLMO3EQX_STORAGE_RETRY_SECONDS", RETRY_SECONDS))
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The type and the first line (200 characters at most) of an exception, for a one-sentence error."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
@@ -339,17 +410,20 @@ def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:
                 raise FileNotFoundError(f"{redact(url)} does not exist") from None
             if kind == "denied":
                 raise AccessDenied(
-                    f"Access to {redact(url)} was denied ({_first_line(e)}); check the credentials this host uses "
+                    f"Access to {redact(url)} was denied ({first_line(e)}); check the credentials this host uses "
                     f"for {scheme(url)}:// ({credentials_hint(url)}) and that they may read"
                     f"{'' if what == 'reading' else ' and write'} the bucket.") from None
+            if kind == "refused":
+                raise BadRequest(f"{what.capitalize()} {redact(url)} was refused ({first_line(e)}): a malformed URL "
+                                 f"or a request the store will always refuse; check the URL.") from None
             if kind != "transient":
                 raise
             if time.monotonic() + pause > deadline or _stopping.is_set():
                 waited = "as the process ended" if _stopping.is_set() else f"for {retry_seconds():.0f} s"
-                raise StorageError(f"{what.capitalize()} {redact(url)} failed {waited} ({_first_line(e)}); check that "
+                raise StorageError(f"{what.capitalize()} {redact(url)} failed {waited} ({first_line(e)}); check that "
                                    f"the store is reachable and relaunch to resume") from None
             if not warned:
-                _warn_store(url, f"warning: {what} {redact(url)} failed ({_first_line(e)}); retrying for up to "
+                _warn_store(url, f"warning: {what} {redact(url)} failed ({first_line(e)}); retrying for up to "
                                  f"{retry_seconds():.0f} s.")
                 warned = True
             _stopping.wait(pause * random.uniform(0.5, 1.5))
@@ -382,11 +456,18 @@ def _http():
     return session
 
 
+HEAD_REFUSED = frozenset({403, 405})
+"""Answers to HEAD after which the size is asked with a one-byte ranged GET instead: a URL presigned for GET refuses
+any other method (403), and some servers do not implement HEAD (405)."""
+
+
 def _http_size(url: str) -> int:
+    """The size from HEAD's Content-Length, else from the Content-Range of a one-byte ranged GET."""
     r = _http().head(url, allow_redirects=True, timeout=HTTP_TIMEOUT_S)
-    if r.status_code != 200:
+    if r.status_code not in (200, *HEAD_REFUSED):
         raise HttpStatus(r.status_code, url)
-    if "content-length" in r.headers and r.headers.get("content-encoding") in (None, "identity"):
+    if r.status_code == 200 and "content-length" in r.headers and \
+            r.headers.get("content-encoding") in (None, "identity"):
         return int(r.headers["content-length"])
     r = _http().get(url, headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}, stream=True,
                     timeout=HTTP_TIMEOUT_S)
@@ -520,8 +601,9 @@ def read_bytes(p: str, start: int | None = None, end: int | None = None) -> byte
     else:
         data = retrying(lambda: _read_remote(s, p, start, end), p)
     if start is not None and len(data) != end - start:
-        raise ConfigError(f"{redact(p)} returned {len(data)} bytes for bytes {start}-{end - 1} ({end - start} asked): "
-                          f"the file is shorter than when it was opened, or the server truncates its answers.")
+        raise StorageError(f"{redact(p)} returned {len(data)} bytes for bytes {start}-{end - 1} ({end - start} "
+                           f"asked): the file is shorter than when it was opened, or the server truncates its "
+                           f"answers; relaunch to resume once it serves the file whole.")
     return data
 
 
@@ -590,35 +672,130 @@ def write_text(p: str, text: str) -> None:
     write_bytes(p, text.encode("utf-8"))
 
 
+S3_MIN_PART = 5 << 20
+"""S3's smallest part of a multipart upload but the last: an object this large is appended to by a server-side copy
+into a multipart upload, a smaller one is written again whole (read back, put with the new bytes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """An object's version as its store names it (GCS generation, S3 ETag) and its size."""
+
+    tag: str
+    size: int
+
+
+def _version(s: str, p: str) -> Version | None:
+    bucket, _, key = _key(p).partition("/")
+    if s == "gs":
+        blob = _gcs_client().bucket(bucket).get_blob(key, retry=None)
+        return None if blob is None else Version(str(blob.generation), int(blob.size))
+    try:
+        head = filesystem(s).call_s3("head_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    return Version(head["ETag"], int(head["ContentLength"]))
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """A conditional write refused because the object is not at the version asked (HTTP 412), as each client says
+    it (s3fs turns it into FileExistsError or an EINVAL naming the pre-condition)."""
+    return (412 in (getattr(e, "code", None), getattr(e, "status", None)) or type(e).__name__ == "PreconditionFailed"
+            or isinstance(e, FileExistsError) or "pre-condition" in str(e).lower())
+
+
 def append_bytes(p: str, data: bytes) -> None:
-    """Add `data` at the end of object `p` (created if absent) without rewriting it from this host: GCS composes
-    the object with a part uploaded beside it, S3 copies it server-side into a multipart upload (s3fs's append, which
-    re-uploads objects under 5 MiB). Each append is atomic (readers see it whole or not at all); one writer per
-    object."""
+    """Add `data` at the end of object `p` (created if absent), once: GCS composes the object with a part uploaded
+    beside it, S3 copies it server-side into a multipart upload (an object under S3_MIN_PART is put again whole).
+    Each append is atomic (readers see it whole or not at all) and never doubled: the object's version is read
+    first, every write is conditional on it, and every retry first looks whether an earlier try landed with its
+    answer lost (the object is then that version plus `data`), so a retried append adds nothing. The part object
+    of a GCS append is deleted after, apart from the append's retries: a deletion that fails leaves it behind, with
+    a warning, and appends nothing again. One writer per object: another's write in between is a StorageError."""
     s = scheme(_writable(p))
     if s is None:
         with open(p, "ab") as f:
             f.write(data)
         return
-    fs = filesystem(s)
-    key = _key(p)
+    before = retrying(lambda: _version(s, p), p)
+    part = f"{_key(p)}.part-{uuid.uuid4().hex}" if s == "gs" and before is not None else None
 
     def append():
-        fs.invalidate_cache(key)
-        if not fs.exists(key):
-            fs.pipe_file(key, data)
-        elif s == "gs":
-            part = f"{key}.part-{uuid.uuid4().hex}"
-            fs.pipe_file(part, data)
-            try:
-                fs.merge(key, [key, part])
-            finally:
-                fs.rm(part)
-        else:
-            with fs.open(key, "ab") as f:
-                f.write(data)
+        if _appended(s, p, before, data):
+            return
+        try:
+            (_gcs_append if s == "gs" else _s3_append)(p, data, before, part)
+        except Exception as e:  # noqa: BLE001 - a refused precondition may be our own earlier try: look
+            if not _precondition_failed(e):
+                raise
+            if not _appended(s, p, before, data):
+                raise StorageError(f"Appending to {redact(p)} was refused as if it had changed, but it has not "
+                                   f"({first_line(e)}); check the store and relaunch.") from None
 
     retrying(append, p, "writing")
+    if part is not None:
+        _remove_part(part)
+
+
+def _appended(s: str, p: str, before: Version | None, data: bytes) -> bool:
+    """Whether object `p` is `before` plus `data` (an earlier try of this append landed): False while it is still
+    `before`; StorageError when another writer changed it."""
+    now = _version(s, p)
+    if now == before:
+        return False
+    size = before.size if before is not None else 0
+    if now is not None and now.size == size + len(data) and _read_remote(s, p, size, now.size) == data:
+        return True
+    raise StorageError(f"{redact(p)} changed while olmo3eqx appended to it: another process writes it too (one "
+                       f"writer per file: give each its own run directory) or it was replaced; relaunch to resume.")
+
+
+def _gcs_append(p: str, data: bytes, before: Version | None, part: str | None) -> None:
+    bucket_name, _, key = _key(p).partition("/")
+    bucket = _gcs_client().bucket(bucket_name)
+    if before is None:
+        bucket.blob(key).upload_from_string(data, if_generation_match=0, retry=None)
+        return
+    part_blob = bucket.blob(part.partition("/")[2])
+    part_blob.upload_from_string(data, retry=None)
+    bucket.blob(key).compose([bucket.blob(key), part_blob], if_generation_match=int(before.tag), retry=None)
+
+
+def _s3_append(p: str, data: bytes, before: Version | None, _part: None) -> None:
+    fs = filesystem("s3")
+    bucket, _, key = _key(p).partition("/")
+    if before is None:
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+    elif before.size < S3_MIN_PART:
+        old = _read_remote("s3", p, 0, before.size) if before.size else b""
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=old + data, IfMatch=before.tag)
+    else:
+        upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        try:
+            copied = fs.call_s3("upload_part_copy", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+                                CopySource={"Bucket": bucket, "Key": key}, CopySourceIfMatch=before.tag)
+            added = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=2, Body=data)
+            fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, IfMatch=before.tag,
+                       MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": copied["CopyPartResult"]["ETag"]},
+                                                  {"PartNumber": 2, "ETag": added["ETag"]}]})
+        except BaseException:
+            with contextlib.suppress(Exception):  # after a lost answer to the completion there is nothing to abort
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            raise
+
+
+def _remove_part(part: str) -> None:
+    """Delete a GCS append's part object (bucket/key); a failure leaves it behind with a warning: the append it
+    served is done either way."""
+    bucket_name, _, key = part.partition("/")
+    url = f"gs://{part}"
+    try:
+        retrying(lambda: _gcs_client().bucket(bucket_name).blob(key).delete(retry=None), url, "deleting")
+    except FileNotFoundError:
+        pass
+    except (StorageError, ConfigError) as e:
+        print(f"warning: {e}; the append it was a part of is complete: delete {redact(url)} by hand.",
+              file=sys.stderr, flush=True)
 
 
 def remove(p: str) -> None:
@@ -641,17 +818,6 @@ def rmtree(p: str) -> None:
     fs = filesystem(s)
     with contextlib.suppress(FileNotFoundError):
         retrying(lambda: fs.rm(_key(p), recursive=True), p, "deleting")
-
-
-def move_tree(src: str, dst: str) -> None:
-    """Rename directory `src` to `dst` (a bucket: copy every object, then delete the originals)."""
-    s = scheme(_writable(src))
-    if s is None:
-        os.replace(src, dst)
-        return
-    fs = filesystem(s)
-    retrying(lambda: fs.copy(_key(src), _key(dst), recursive=True), src, "copying")
-    rmtree(src)
 
 
 def upload_tree(local: str | os.PathLike, dst: str, last: Iterable[str] = ()) -> None:
@@ -729,7 +895,8 @@ def read_versioned(p: str) -> tuple[bytes, str, float] | None:
 
 def write_versioned(p: str, data: bytes, expect: str | None) -> str | None:
     """Write object `p` only if it is still at version `expect` (None: only if it does not exist yet); the new
-    version, or None when another writer got there first. (No conditional delete: fake-gcs-server ignores its
+    version, or None when another writer got there first (a refusal after a retry whose first try landed with its
+    answer lost finds `data` there: the write is ours). (No conditional delete: fake-gcs-server ignores its
     precondition, so the lease releases by writing an empty record instead.)"""
     s = scheme(_writable(p))
     if s == "gs":
@@ -738,8 +905,8 @@ def write_versioned(p: str, data: bytes, expect: str | None) -> str | None:
             try:
                 blob.upload_from_string(data, if_generation_match=0 if expect is None else int(expect), retry=None)
             except Exception as e:  # noqa: BLE001
-                if getattr(e, "code", None) == 412 or type(e).__name__ == "PreconditionFailed":
-                    return None
+                if _precondition_failed(e):
+                    return _ours(p, data)
                 raise
             return str(blob.generation)
         return retrying(write, p, "writing")
@@ -750,12 +917,19 @@ def write_versioned(p: str, data: bytes, expect: str | None) -> str | None:
     def write():
         try:
             out = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
-        except OSError as e:  # s3fs turns 412 Precondition Failed into FileExistsError or EINVAL
-            if isinstance(e, FileExistsError) or "pre-condition" in str(e).lower():
-                return None
+        except OSError as e:
+            if _precondition_failed(e):
+                return _ours(p, data)
             raise
         return out["ETag"]
     return retrying(write, p, "writing")
+
+
+def _ours(p: str, data: bytes) -> str | None:
+    """After a conditional write of `data` was refused: the object's version if it holds `data` (an earlier try
+    of the same write landed, its answer lost), else None (another writer's)."""
+    current = read_versioned(p)
+    return current[1] if current is not None and current[0] == data else None
 
 
 def describe(p: str) -> str:

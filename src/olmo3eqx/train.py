@@ -66,14 +66,10 @@ def parse_args(argv: list[str] | None = None):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiler is loaded for the topology; no TPU is used
     import tyro
 
-    from olmo3eqx.config import ConfigError, TrainConfig, load_yaml
+    from olmo3eqx.config import TrainConfig, load_yaml
 
-    try:
-        base = load_yaml(opts.config)
-        cfg = tyro.cli(TrainConfig, default=base, args=rest, description=USAGE + f"\nDefaults from {opts.config}.")
-    except ConfigError as e:  # bad input: one sentence, exit 2 (a URL nothing here reaches is refused here too)
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(exits.BAD_INPUT) from None
+    base = load_yaml(opts.config)  # a ConfigError (a missing file, a URL nothing here reaches) is main's exit 2
+    cfg = tyro.cli(TrainConfig, default=base, args=rest, description=USAGE + f"\nDefaults from {opts.config}.")
     return cfg, opts
 
 
@@ -92,7 +88,9 @@ def child_args(argv: list[str]) -> list[str]:
     return out
 
 
+@exits.command
 def main(argv: list[str] | None = None) -> int:
+    """The trainer's command; its errors end as exits.command says (one sentence and the documented exit code)."""
     argv = sys.argv[1:] if argv is None else argv
     cfg, opts = parse_args(argv)
     if opts.until_done:
@@ -101,46 +99,21 @@ def main(argv: list[str] | None = None) -> int:
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
                               backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
     if opts.target and not cfg.dry_run:
-        print(f"error: --target {opts.target} compiles for devices that are not here; add --dry-run.", file=sys.stderr)
-        return exits.BAD_INPUT
+        from olmo3eqx.config import ConfigError
+
+        raise ConfigError(f"--target {opts.target} compiles for devices that are not here; add --dry-run.")
     from olmo3eqx import jaxenv
 
     host_note = jaxenv.prepare(os.environ)  # before anything imports jax
     precision_note = jaxenv.float32_matmuls(os.environ, cfg.model.compute_dtype)
     host_note = "\n".join(filter(None, [host_note, precision_note])) or None
     from olmo3eqx import distributed
-    from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
-    from olmo3eqx.config import ConfigError
-    from olmo3eqx.data import DataError
-    from olmo3eqx.runlock import RunLocked
 
-    try:
-        distributed.initialize(cfg.dist)
-        if cfg.dry_run:
-            dry_run(cfg, opts.target)
-            return exits.OK
-        return train(cfg, host_note)
-    except (ConfigError, DataError, CheckpointLoadError, FileNotFoundError, RunLocked) as e:
-        # Bad input: one sentence naming the thing and the fix, not a traceback from deep inside.
-        print(f"error{process_tag()}: {e}", file=sys.stderr)
-        return exits.BAD_INPUT
-    except StorageError as e:
-        print(f"error{process_tag()}: {e}", file=sys.stderr)
-        return exits.STORAGE
-    except BaseException:
-        tag = process_tag()
-        if tag:  # which process failed, for logs interleaved from many hosts
-            print(f"error{tag}: the exception below stopped this process", file=sys.stderr)
-        raise
-
-
-def process_tag() -> str:
-    import jax
-
-    try:
-        return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
-    except Exception:  # noqa: BLE001 - the backend itself may be what failed
-        return ""
+    distributed.initialize(cfg.dist)
+    if cfg.dry_run:
+        dry_run(cfg, opts.target)
+        return exits.OK
+    return train(cfg, host_note)
 
 
 def dry_run(cfg, target: str | None = None) -> None:
@@ -375,9 +348,22 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             raise
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
-        index_log.close()
-        log.close()
-        checkpointer.close()  # last: it waits for the final write, whose failure (a StorageError) ends the run
+        # checkpointer last: it waits for the final write, whose failure (a StorageError) ends the run
+        close_all((index_log.close, log.close, checkpointer.close), failing=sys.exc_info()[1] is not None)
+
+
+def close_all(closers, failing: bool) -> None:
+    """Call every closer; the first failure is raised once all have run, unless the run is already stopping on an
+    error: that one stays the error reported (a store that failed under the restore fails the sinks' last flush
+    too, and the sentence must name what stopped the run, not its echo)."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - raised below
+            first = first or e
+    if first is not None and not failing:
+        raise first
 
 
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):

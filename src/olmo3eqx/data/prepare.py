@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from jaxtyping import UInt
 
+from olmo3eqx import exits, storage
 from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
 from olmo3eqx.data.source import METADATA, DataError, token_dtype_for_vocab
 
@@ -398,7 +399,14 @@ def prepare_pieces(pieces: Sequence[Piece], *, tokenizer: str, out: str | Path, 
 
 
 def prepare(inputs: Sequence[str], *, tokenizer: str, out: str | Path, **kwargs) -> dict:
-    """Resolve files/directories/globs and prepare them (see `prepare_pieces` for the options)."""
+    """Resolve files/directories/globs and prepare them (see `prepare_pieces` for the options). Local files only:
+    a URL is refused in one sentence (it would otherwise become a local folder named after it)."""
+    for what, path in [*(("--input", p) for p in inputs), ("--out", str(out))]:
+        if storage.is_url(path):
+            storage.check(path, what)  # a scheme nothing here reaches is named as such
+            raise storage.UnsupportedPath(f"{what} {storage.redact(path)} is a URL; olmo3eqx-prepare reads and "
+                                          f"writes local files: prepare on local disk, then copy the token "
+                                          f"directory to the bucket (data.paths and data.mix_root read it there).")
     return prepare_pieces(resolve_inputs(inputs), tokenizer=tokenizer, out=out, inputs=inputs, **kwargs)
 
 
@@ -442,22 +450,22 @@ class Args:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+    """Prepare what the command line asks; the metadata written."""
     import tyro
 
     args = tyro.cli(Args, args=argv, prog="python -m olmo3eqx.data.prepare")
-    try:
-        return prepare(args.input, tokenizer=args.tokenizer, out=args.out, eos_id=args.eos_id,
-                       heldout_fraction=args.heldout_fraction, shard_tokens=args.shard_tokens,
-                       workers=args.workers, progress=not args.quiet)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    return prepare(args.input, tokenizer=args.tokenizer, out=args.out, eos_id=args.eos_id,
+                   heldout_fraction=args.heldout_fraction, shard_tokens=args.shard_tokens, workers=args.workers,
+                   progress=not args.quiet)
 
 
-def cli() -> int:
-    """The `olmo3eqx-prepare` console script (main returns the metadata; a console script wants an exit code)."""
-    main()
-    return 0
+@exits.command
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The `olmo3eqx-prepare` console script and `python -m olmo3eqx.data.prepare` (main returns the metadata; a
+    command returns its exit code)."""
+    main(argv)
+    return exits.OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from jaxtyping import Int, Int32
 
-from olmo3eqx import storage
+from olmo3eqx import exits, storage
 
 METADATA = "metadata.json"
 """Written by `prepare` beside its token files; gives their dtype and tokenizer."""
@@ -39,7 +39,7 @@ OPEN_THREADS = 32
 """Remote files opened at once (a HEAD and the sampled ids each): a mix of 1,016 files opens in seconds."""
 
 
-class DataError(ValueError):
+class DataError(exits.CommandError, ValueError):
     """Bad data or data config; the message names the file or field and the fix."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from olmo3eqx import exits
 from olmo3eqx.config import FULL, SLIDING, ConfigError, ModelConfig, RopeScalingConfig, olmo_layer_types
 
 CONFIG_FILE = "config.json"
@@ -47,7 +48,7 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 
 
-class ConversionError(ValueError):
+class ConversionError(exits.CommandError, ValueError):
     """An HF checkpoint, or a pairing of checkpoints, that cannot be converted; the message names the thing."""
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo3eqx import exits, storage
+from olmo3eqx.config import ConfigError
 from olmo3eqx.metrics import read_metrics
 
 TRAIN = "train/loss"
@@ -75,7 +76,7 @@ def series(run_dir: str | Path, x: str = "step") -> dict[str, tuple[np.ndarray, 
     if x == "tokens":
         tok = by_step.get("train/tokens")
         if not tok:
-            raise ValueError(f"{run_dir} logs no train/tokens; compare it by step.")
+            raise ConfigError(f"{run_dir} logs no train/tokens; compare it by step.")
         scale = float(np.median([t / s for s, t in tok.items() if s > 0]))
     out = {}
     for k, points in by_step.items():
@@ -144,11 +145,11 @@ class Comparison:
 
 def compare(a: dict, b: dict, *, x: str = "step", windows: int = 4) -> Comparison:
     if TRAIN not in a or TRAIN not in b:
-        raise ValueError(f"Both runs need {TRAIN} in their metrics.jsonl.")
+        raise ConfigError(f"Both runs need {TRAIN} in their metrics.jsonl.")
     lo = max(a[TRAIN][0][0], b[TRAIN][0][0])
     hi = min(a[TRAIN][0][-1], b[TRAIN][0][-1])
     if hi <= lo:
-        raise ValueError(f"The runs share no {x} range (A {a[TRAIN][0][0]:g}..{a[TRAIN][0][-1]:g}, "
+        raise ConfigError(f"The runs share no {x} range (A {a[TRAIN][0][0]:g}..{a[TRAIN][0][-1]:g}, "
                          f"B {b[TRAIN][0][0]:g}..{b[TRAIN][0][-1]:g}).")
     edges = list(np.linspace(lo, hi, windows + 1))
     held, tasks = heldout_keys(a, b), task_keys(a, b)
@@ -263,6 +264,7 @@ def plot(a: dict, b: dict, c: Comparison, names: tuple[str, str], out: str | Pat
     return written
 
 
+@exits.command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_a", help="run directory (or its metrics.jsonl) A")
@@ -273,21 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.windows < 1:
         p.error("--windows must be at least 1")
-    try:
-        a, b = series(args.run_a, args.x), series(args.run_b, args.x)
-        c = compare(a, b, x=args.x, windows=args.windows)
-        names = (f"A: {storage.basename(args.run_a)}", f"B: {storage.basename(args.run_b)}")
-        print(f"A = {storage.redact(args.run_a)}, B = {storage.redact(args.run_b)}")
-        print(format_table(c))
-        for path in plot(a, b, c, names, args.out):
-            print(f"wrote {storage.redact(path)}")
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.BAD_INPUT
-    except storage.StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.STORAGE
-    return 0
+    a, b = series(args.run_a, args.x), series(args.run_b, args.x)
+    c = compare(a, b, x=args.x, windows=args.windows)
+    names = (f"A: {storage.basename(args.run_a)}", f"B: {storage.basename(args.run_b)}")
+    print(f"A = {storage.redact(args.run_a)}, B = {storage.redact(args.run_b)}")
+    print(format_table(c))
+    for path in plot(a, b, c, names, args.out):
+        print(f"wrote {storage.redact(path)}")
+    return exits.OK
 
 
 if __name__ == "__main__":

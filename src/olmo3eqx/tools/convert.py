@@ -18,14 +18,15 @@ import numpy as np
 
 from olmo3eqx import exits
 from olmo3eqx.tools import hostmem
-from olmo3eqx.config import ConfigError
 
 
 Dtype = Literal["float32", "bfloat16"]
 
 
-class ParityFailed(Exception):
+class ParityFailed(exits.CommandError):
     """The converted model's logits are too far from `transformers`'."""
+
+    code = exits.PARITY_FAILED
 
 
 def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
@@ -248,21 +249,9 @@ def save_tiny_hf_model(out: Path, seed: int = 0, init_std: float = 0.5, max_shar
 COMMANDS = {"hf-to-orbax": hf_to_orbax, "orbax-to-hf": orbax_to_hf, "parity": parity, "demo": demo}
 
 
+@exits.command
 def main(args: list[str] | None = None) -> int:
     import tyro
 
-    from olmo3eqx.hf import ConversionError
-    from olmo3eqx.storage import StorageError
-
-    try:
-        tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, description=__doc__.splitlines()[0])
-    except (ConversionError, ConfigError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.BAD_INPUT
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.STORAGE
-    except ParityFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.PARITY_FAILED
-    return 0
+    tyro.extras.subcommand_cli_from_dict(COMMANDS, args=args, description=__doc__.splitlines()[0])
+    return exits.OK

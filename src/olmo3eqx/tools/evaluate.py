@@ -222,32 +222,22 @@ def list_all_tasks() -> None:
     print("\n".join(f"{name} (generative)" for name in GENERATIVE))
 
 
+@exits.command
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
-    from olmo3eqx.checkpoint import CheckpointLoadError
     from olmo3eqx.config import ConfigError
-    from olmo3eqx.data import DataError
-    from olmo3eqx.hf import ConversionError
-    from olmo3eqx.storage import StorageError
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
-    try:
-        if args.list_tasks:
-            list_all_tasks()
-        elif not args.ckpt:
-            raise ConfigError("Give --ckpt (a run, checkpoint or HF directory), or --list-tasks.")
-        elif args.all_checkpoints:
-            evaluate_all(args)
-        else:
-            evaluate_one(args)
-    except (ConfigError, DataError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.BAD_INPUT
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return exits.STORAGE
-    return 0
+    if args.list_tasks:
+        list_all_tasks()
+    elif not args.ckpt:
+        raise ConfigError("Give --ckpt (a run, checkpoint or HF directory), or --list-tasks.")
+    elif args.all_checkpoints:
+        evaluate_all(args)
+    else:
+        evaluate_one(args)
+    return exits.OK
 
 
 if __name__ == "__main__":

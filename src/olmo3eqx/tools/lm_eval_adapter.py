@@ -3,7 +3,7 @@
     pip install -e ".[lm-eval]"
     olmo3eqx-lm-eval --model olmo3eqx --model_args ckpt=runs/tiny,tokenizer=bytes --tasks ...
 
-(the harness's own CLI, with this model registered first), or from Python:
+(the harness's own CLI, with this model registered first: olmo3eqx.tools.lm_eval_cli), or from Python:
 
     import lm_eval, olmo3eqx.tools.lm_eval_adapter  # registers "olmo3eqx"
     lm_eval.simple_evaluate(model="olmo3eqx", model_args="ckpt=runs/tiny", tasks=["hellaswag"])
@@ -18,7 +18,6 @@ sharded scorer: `loglikelihood` sums the continuation's log-probabilities given 
 
 from __future__ import annotations
 
-import sys
 
 try:
     from lm_eval.api.model import LM
@@ -128,13 +127,3 @@ class OLMo3EqxLM(LM):
                     out[i] = completion.text
         return out
 
-
-def main() -> None:
-    """The harness's CLI with the olmo3eqx model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

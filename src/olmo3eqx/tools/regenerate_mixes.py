@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import resources
-from pathlib import Path
 
+from olmo3eqx import exits, storage
 from olmo3eqx.data.mixes import SHIPPED, shipped_mix_dir
 
 
@@ -20,29 +20,28 @@ def olmo_core_mix_file(name: str) -> bytes:
     return (resources.files("olmo_core") / "data" / "mixes" / f"{name}.txt").read_bytes()
 
 
-def regenerate(out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+def regenerate(out: str) -> list[str]:
+    """Every shipped mix list written under directory `out` (local, gs:// or s3://); their paths."""
+    storage.makedirs(out)
     written = []
     for name in SHIPPED:
-        path = out / f"{name}.txt"
-        path.write_bytes(olmo_core_mix_file(name))
+        path = storage.join(out, f"{name}.txt")
+        storage.write_bytes(path, olmo_core_mix_file(name))
         written.append(path)
     return written
 
 
+@exits.command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=shipped_mix_dir(), help="where to write (default: the package)")
+    parser.add_argument("--out", default=str(shipped_mix_dir()), help="where to write (default: the package)")
     args = parser.parse_args(argv)
-    try:
-        import olmo_core  # noqa: F401
-    except ImportError:
-        print("error: ai2-olmo-core is not installed; pip install --no-deps -r requirements-reference.txt",
-              file=sys.stderr)
-        return 2
-    for path in regenerate(args.out):
-        print(f"wrote {path} ({sum(1 for _ in path.open())} lines)")
-    return 0
+    out = storage.check(args.out, "--out", write=True)
+    import olmo_core  # noqa: F401 - not installed: one sentence naming the fix (exits.EXTRAS), before anything is written
+
+    for path in regenerate(out):
+        print(f"wrote {storage.redact(path)} ({len(storage.read_text(path).splitlines())} lines)")
+    return exits.OK
 
 
 if __name__ == "__main__":
