@@ -121,7 +121,7 @@ def check_blocked_memory(cfg: TrainConfig, layout: Layout) -> None:
     m = cfg.model
     if resolve(m.attention_impl, DTYPE[m.compute_dtype], cfg.data.packing, cfg.data.seq_len) != "blocked":
         return
-    device = layout.mesh.devices.flat[0]
+    device = layout.mesh.local_devices[0]  # memory_stats answers for this process's own devices only
     limit = device_memory(device)
     if not limit:
         return
