@@ -105,7 +105,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
     seed_array = np.asarray(seed, np.uint32)  # host scalars: replicated on every device and process
     last = dec.first_token(logits, seed_array, np.asarray(width, np.int32), sampler)
     done = last == eos_id
-    stepper = dec.decode_model(model)
     out = [Completion() for _ in range(batch)]
     shown = [0] * batch
     hold = max((len(s) for s in stop), default=1) - 1
@@ -141,7 +140,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
         if host_done.all():
             break
         done = done | put(host_done)
-        generated, cache, last, done = dec.decode_chunk(stepper, cache, last, done, seed_array, max_len, chunk,
+        generated, cache, last, done = dec.decode_chunk(model, cache, last, done, seed_array, max_len, chunk,
                                                         sampler, eos_id)
         generated = _to_host(generated)
     return out
@@ -246,11 +245,12 @@ def read_prompt_file(path: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
+    from olmo3eqx.config import ConfigError
     from olmo3eqx.hf import ConversionError
 
     try:
         return run(args)
-    except (GenerationError, CheckpointLoadError, ConversionError, FileNotFoundError) as e:
+    except (GenerationError, CheckpointLoadError, ConversionError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exits.BAD_INPUT
     except StorageError as e:
@@ -259,10 +259,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: Args) -> int:
+    """The command. Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster JAX
+    detects) generate together, the model sharded over all their devices; process 0 prints and writes."""
     from olmo3eqx import decode as dec
-    from olmo3eqx.hf.parity import with_dtype
+    from olmo3eqx import distributed, storage
+    from olmo3eqx.config import DistConfig
+
+    distributed.initialize(DistConfig())  # before anything touches a device
+    import jax
+
+    from olmo3eqx.checkpoint import load_any
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.sharding import make_mesh
     from olmo3eqx.tasks import Tokenizer
-    from olmo3eqx.tools.evaluate import load_any
 
     prompts = list(args.prompts)
     if args.file:
@@ -273,49 +282,50 @@ def run(args: Args) -> int:
         sampler = dec.Sampler(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise GenerationError(str(e)) from None
-    model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt)
-    if args.dtype:
-        model = with_dtype(model, args.dtype)
-    import jax
-
-    from olmo3eqx.config import MeshConfig
-    from olmo3eqx.sharding import make_mesh, model_shardings
-
+    out = storage.check(args.out, "--out", write=True) if args.out else None  # refused before the model loads
     mesh = make_mesh(MeshConfig())  # every device: parameters FSDP-sharded as in training, prompts over the data axes
-    model = jax.device_put(model, model_shardings(model, mesh))
+    model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt, mesh, args.dtype)
     tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
-    if tokenizer.vocab_size > cfg.vocab_size:
+    speaks = jax.process_index() == 0
+    if tokenizer.vocab_size > cfg.vocab_size and speaks:
         print(f"warning: the tokenizer {tokenizer.spec} has {tokenizer.vocab_size} ids, the model {cfg.vocab_size}; an "
               f"id beyond the model's stops generation with an error.", file=sys.stderr)
     ids = [x.tolist() for x in tokenizer.encode(prompts)]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
-    stream = len(prompts) == 1 and not args.file and args.out is None
-    if stream:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
+    if len(prompts) == 1 and not args.file and out is None:
+        if speaks:
+            sys.stdout.write(prompts[0])
+            sys.stdout.flush()
         t0 = time.perf_counter()
         [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
                        stop=stop, decode=tokenizer.decode, chunk=1, mesh=mesh,
-                       on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
-        dt = time.perf_counter() - t0
-        sys.stdout.write("\n")
-        print(f"[{len(c.tokens)} tokens in {dt:.1f} s, ended by {c.finish}; step {step} of {args.ckpt}]",
-              file=sys.stderr)
+                       on_text=(lambda _, text: (sys.stdout.write(text), sys.stdout.flush())) if speaks else None)
+        if speaks:
+            sys.stdout.write("\n")
+            print(f"[{len(c.tokens)} tokens in {time.perf_counter() - t0:.1f} s, ended by {c.finish}; step {step} of "
+                  f"{args.ckpt}]", file=sys.stderr)
         return exits.OK
-    sink = open(args.out, "w") if args.out else sys.stdout
+    # lines go out as they come, to stdout or a local --out; a bucket's object is written whole, at the end
+    sink = (sys.stdout if out is None else None if storage.is_url(out) else open(out, "w")) if speaks else None
+    lines = []
     try:
         for start in range(0, len(ids), args.batch_size):
             batch = ids[start:start + args.batch_size]
             done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
                             stop=stop, decode=tokenizer.decode, mesh=mesh)
-            for p, c in zip(prompts[start:start + len(batch)], done):
-                sink.write(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish,
-                                       "tokens": len(c.tokens)}) + "\n")
-            sink.flush()
-            print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
+            new = "".join(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish, "tokens": len(c.tokens)})
+                          + "\n" for p, c in zip(prompts[start:start + len(batch)], done))
+            lines.append(new)
+            if sink is not None:
+                sink.write(new)
+                sink.flush()
+            if speaks:
+                print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
     finally:
-        if sink is not sys.stdout:
+        if sink not in (None, sys.stdout):
             sink.close()
+    if speaks and out is not None and storage.is_url(out):
+        storage.write_text(out, "".join(lines))
     return exits.OK
 
 
