@@ -233,7 +233,8 @@ class StateReader:
         """The stored array `name` (orbax's name: the tree path joined by dots), read as `dtype`."""
         import tensorstore as ts
 
-        info = self.types.ParamInfo(name=name, parent_dir=self.state_dir, use_zarr3=self.layout["use_zarr3"])
+        info = self.types.ParamInfo(name=name, parent_dir=self.state_dir, use_zarr3=self.layout["use_zarr3"],
+                                    ts_context=self.context)
         spec = self.tsu.build_array_read_spec(info, use_ocdbt=self.layout["use_ocdbt"], target_dtype=dtype)
         return ts.open(spec.json, open=True, context=self.context).result()
 
@@ -257,7 +258,7 @@ class StateReader:
                 out[part] = stored[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result()
             return out
 
-        return jax.make_array_from_callback(tuple(like.shape), sharding, shard)
+        return jax.make_array_from_callback(tuple(like.shape), sharding, shard, dtype=like.dtype)
 
 
 def restore_model_leaf(root: StorePath, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
