@@ -123,7 +123,23 @@ def test_generation_holds_no_second_copy_of_the_weights():
     assert max(extra) < cache + weights // 10, (max(extra), cache, weights)
 
 
-# --- the commands on two processes ----------------------------------------------------------------
+def test_speaking_flags_join_the_users_and_leave_a_scheduler_they_chose():
+    from olmo3eqx import jaxenv
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    jaxenv.prepare_speaking(env)
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", *jaxenv.SPEAKING_XLA_FLAGS]
+    jaxenv.prepare_speaking(env)  # once is enough
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", *jaxenv.SPEAKING_XLA_FLAGS]
+    mine = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}
+    jaxenv.prepare_speaking(mine)
+    assert mine["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    empty = {}
+    jaxenv.prepare_speaking(empty)
+    assert empty["XLA_FLAGS"].split() == list(jaxenv.SPEAKING_XLA_FLAGS)
+
+
+# --- the commands on two processes (the generate and eval commands start XLA with SPEAKING_XLA_FLAGS) -----------
 
 def launch(module: str, args: list[str], processes: int, logs: Path) -> list[tuple[int, str, str]]:
     """`python -m module args` as `processes` jax.distributed processes on loopback, 2 CPU devices each; their

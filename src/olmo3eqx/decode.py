@@ -13,9 +13,11 @@ The cache keeps, per layer, the keys and values after QK-norm and RoPE:
 Prefill runs the layers as a `lax.scan` over the groups of the layer period, as training does; decoding runs them
 unrolled, one cache array per layer updated in place. Both read the model's own stacked weights, each layer's cast to
 the compute dtype where it is used (nothing when the weights are held in it, as checkpoint.load_any loads them): no
-second copy of the weights exists while generating. XLA:CPU copies each layer's weights out of the stack before its
-matmuls (it fuses no slice into a dot), a transient of one layer that costs the CPU decode step time
-(bench/bench_generate.py, docs/generation.md).
+second copy of the weights exists while generating. XLA:CPU copies each weight out of the stack before its matmul (it
+fuses no slice into a dot), which costs the CPU decode step time (bench/bench_generate.py); its default scheduler,
+ordering for concurrency, starts every such copy ahead of the first matmul, a second copy of the layers after all,
+which the memory-minimising one (jaxenv.SPEAKING_XLA_FLAGS, set by the eval and generate commands) avoids
+(bench/bench_speak_memory.py, docs/generation.md).
 
 Prefill is the training forward over the padded prompts with segment ids (padding 0, the prompt 1): the same
 attention backends (attention.py), so the same numbers; the decode step attends one query per row to the cache in
@@ -82,9 +84,9 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
     return batch * per_column * sum(cache_lengths(cfg, max_len))
 
 
-def layer(model: OLMo3, i: int) -> Block:
-    """Layer i's weights, sliced out of the stacked blocks inside the jit and cast to the compute dtype."""
-    return cast_floating(jax.tree.map(lambda a: a[i], model.blocks), DTYPE[model.cfg.compute_dtype])
+def layer(blocks: Block, i: int | Int[Array, ""], dtype) -> Block:
+    """Layer i's weights, sliced out of the stacked blocks inside the jit and cast to `dtype`."""
+    return cast_floating(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), blocks), dtype)
 
 
 def unembed(model: OLMo3, x: Float[Array, "batch hidden"]) -> Float[Array, "batch vocab"]:
@@ -93,15 +95,6 @@ def unembed(model: OLMo3, x: Float[Array, "batch hidden"]) -> Float[Array, "batc
     dtype = DTYPE[model.cfg.compute_dtype]
     h = cast_floating(model.norm, dtype)(x)
     return jnp.matmul(h, model.lm_head.weight.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _groups(model: OLMo3) -> tuple[int, int, Block]:
-    """(period, groups, blocks stacked as [groups, period, ...])."""
-    cfg = model.cfg
-    period = layer_period(cfg.resolved_layer_types)
-    groups = cfg.num_hidden_layers // period
-    stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)
-    return period, groups, stacked
 
 
 def _to_cache(x: Float[Array, "batch seq kv_heads dim"], length: int) -> Float[Array, "batch length kv_heads dim"]:
@@ -125,13 +118,13 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
     positions = document_positions(segment_ids)
     tables = {kind: table.at(positions) for kind, table in rope_tables(seq, cfg).items()}
     kinds = cfg.resolved_layer_types
-    period, groups, stacked = _groups(model)
+    period = layer_period(kinds)
     lengths = cache_lengths(cfg, max_len)[:period]
 
     def run_group(x, group):
         ks, vs = [], []
         for j in range(period):
-            blk = cast_floating(jax.tree.map(lambda a: a[j], group), dtype)
+            blk = layer(model.blocks, group * period + j, dtype)
             sliding = kinds[j] == SLIDING
             q, k, v = blk.attn.project(x, cfg, tables[kinds[j]])
             out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
@@ -143,7 +136,8 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
         return x, (tuple(ks), tuple(vs))
 
     x = model.embed[tokens].astype(dtype)
-    x, (ks, vs) = jax.lax.scan(run_group, x, stacked)  # [groups, ...] per position in the period
+    groups = jnp.arange(cfg.num_hidden_layers // period)
+    x, (ks, vs) = jax.lax.scan(run_group, x, groups)  # caches [groups, ...] per position in the period
     logits = unembed(model, x[:, -1])
     per_layer = lambda c: tuple(c[i % period][i // period] for i in range(cfg.num_hidden_layers))  # noqa: E731
     return logits, Cache(per_layer(ks), per_layer(vs), pad.astype(jnp.int32), jnp.asarray(seq, jnp.int32))
@@ -182,7 +176,7 @@ def decode_step(model: OLMo3, cache: Cache, tokens: Int[Array, " batch"], tables
     x = model.embed[tokens].astype(DTYPE[cfg.compute_dtype])[:, None]
     new_k, new_v = [], []
     for i, kind in enumerate(cfg.resolved_layer_types):
-        blk = layer(model, i)
+        blk = layer(model.blocks, i, DTYPE[cfg.compute_dtype])
         q, k, v = blk.attn.project(x, cfg, row_tables[kind])  # [batch, 1, heads, dim]
         length = cache.k[i].shape[1]
         ring = kind == SLIDING

@@ -10,12 +10,15 @@ strings and a length limit, streaming, and the command.
 `--ckpt` takes what olmo3eqx-eval takes (a run, one of its steps, convert.py's output, an HF Olmo3 directory); the
 tokenizer is `--tokenizer`, else an HF directory's tokenizer.json, else the run's eval.tokenizer; a converted
 checkpoint without one needs `--tokenizer`. `--file` reads JSONL lines ({"prompt": ...}, or a JSON string) and
-writes one {"prompt", "completion", "finish", "tokens"} line per prompt.
+writes one {"prompt", "completion", "finish", "tokens"} line per prompt (to `--out`: a local file, or a gs:// or
+s3:// URL written when the last prompt is done). The checkpoint is restored straight onto every device's shard in
+the compute dtype (olmo3eqx.checkpoint.load_any); several processes run the same command together (run's doc).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +28,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from olmo3eqx import exits
+from olmo3eqx import exits, jaxenv
 
 MIN_BUCKET = 16
 """Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
@@ -191,8 +194,8 @@ class Args:
     file: str | None = None
     """JSONL of prompts: {"prompt": ...} objects or JSON strings, one per line."""
     out: str | None = None
-    """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here (default:
-    stdout)."""
+    """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here, a local path or
+    a gs:// or s3:// URL (default: stdout)."""
     max_new_tokens: int = 128
     """Most tokens to generate per prompt."""
     temperature: float = 0.0
@@ -208,7 +211,8 @@ class Args:
     batch_size: int = 16
     """Prompts generated together (--file)."""
     dtype: str | None = None
-    """Compute dtype (float32, bfloat16); unset: the checkpoint's."""
+    """Weights and compute in this dtype (float32, bfloat16, float16); unset: the checkpoint's compute dtype (float32
+    for an HF directory)."""
 
 
 def resolve_tokenizer(args_tokenizer: str | None, hf_tokenizer: str | None, stored: dict | None, ckpt: str) -> str:
@@ -243,6 +247,8 @@ def read_prompt_file(path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "jax" not in sys.modules:  # the command, before JAX starts (not a test or a notebook calling main)
+        jaxenv.prepare_speaking(os.environ)
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     from olmo3eqx.checkpoint import CheckpointLoadError, StorageError
     from olmo3eqx.config import ConfigError

@@ -233,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     from olmo3eqx.hf import ConversionError
     from olmo3eqx.storage import StorageError
 
-    from olmo3eqx import distributed
+    import os
+
+    from olmo3eqx import distributed, jaxenv
+
+    if "jax" not in sys.modules:  # the command, before JAX starts (not a test or a notebook calling main)
+        jaxenv.prepare_speaking(os.environ)
     from olmo3eqx.config import DistConfig
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])

@@ -133,11 +133,15 @@ class OLMo3EqxLM(LM):
 
 def main() -> None:
     """The harness's CLI with the olmo3eqx model registered."""
+    import os
+
     from lm_eval.__main__ import cli_evaluate
 
-    from olmo3eqx import distributed
+    from olmo3eqx import distributed, jaxenv
     from olmo3eqx.config import DistConfig
 
+    if "jax" not in sys.modules:
+        jaxenv.prepare_speaking(os.environ)
     distributed.initialize(DistConfig())
     cli_evaluate()
 
