@@ -125,11 +125,12 @@ def program_temps(model, prompt: int, new: int, chunk: int) -> dict:
             "decode": decode.memory_analysis().temp_size_in_bytes}
 
 
-def child(ckpt: str, reader: str, dtype: str, prompt: int, new: int, scheduler: str) -> dict:
-    from olmo3eqx import jaxenv
+def maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    if scheduler == "memory":
-        jaxenv.prepare_speaking(os.environ)  # as the eval and generate commands do, before JAX starts
+
+def speak(ckpt: str, reader: str, dtype: str, prompt: int, new: int) -> dict:
+    """Load and generate in this (fresh) process; its memory above the RSS it had just before loading."""
     import jax
     import numpy as np
 
@@ -142,37 +143,56 @@ def child(ckpt: str, reader: str, dtype: str, prompt: int, new: int, scheduler: 
     meter = PeakRss()
     mesh = make_mesh(MeshConfig())
     jax.block_until_ready(jax.numpy.zeros(8))  # the CPU client started before the baseline
-    base = meter.reset()
+    base, high_before = meter.reset(), maxrss()
+
+    def peak() -> int:
+        """The sampled peak, or the kernel's high-water mark once it has risen past its level before loading (a
+        sampler can miss a spike shorter than its period)."""
+        return max(meter.peak, maxrss() if maxrss() > high_before else 0) - base
+
     t0 = time.perf_counter()
     if reader == "ours":
         model = checkpoint.load_any(ckpt, mesh, dtype).model
     else:
-        root, step, cfg = checkpoint.open_model(ckpt)
-        cfg = checkpoint.speaking_config(cfg, dtype)
-        abstract = abstract_model(cfg)
-        target = with_shardings(abstract, model_shardings(abstract, mesh))
         import equinox as eqx
 
         from olmo3eqx.sharding import is_leaf_like
 
+        root, step, cfg = checkpoint.open_model(ckpt)
+        abstract = abstract_model(checkpoint.speaking_config(cfg, dtype))
+        target = with_shardings(abstract, model_shardings(abstract, mesh))
         restored = checkpoint.restore_parts(root, step, {"model": target})["model"]
         model = eqx.combine(restored, eqx.partition(abstract, is_leaf_like)[1])
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
-    weights = sum(x.nbytes for x in jax.tree.leaves(model) if hasattr(x, "nbytes"))
-    after_load = {"live": live_bytes(), "rss": rss() - base, "peak_rss": meter.peak - base}
+    after_load = {"live": live_bytes(), "rss": rss() - base, "peak_rss": peak()}
     during = []
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     [c] = generate(model, [rng.integers(2, model.cfg.vocab_size, prompt).tolist()], max_new_tokens=new, eos_id=-1,
                    decode=lambda ids: " " * len(ids), on_text=lambda _r, _t: during.append(live_bytes()), mesh=mesh)
-    gen_s = time.perf_counter() - t0
-    temps = program_temps(model, prompt, new, 16)
-    return {"reader": reader, "scheduler": scheduler, "dtype": dtype, "weights_bytes": weights, "load_s": load_s, "generate_s": gen_s,
-            "tokens": len(c.tokens), "after_load": after_load, "live_generating": max(during),
-            "peak_rss": meter.peak - base, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "baseline_rss": base, "temps": temps,
-            "peak_device": max(after_load["live"], max(during) + max(temps.values()))}
+    return {"weights_bytes": sum(x.nbytes for x in jax.tree.leaves(model) if hasattr(x, "nbytes")),
+            "load_s": load_s, "generate_s": time.perf_counter() - t0, "tokens": len(c.tokens), "after_load": after_load,
+            "live_generating": max(during), "peak_rss": peak(), "baseline_rss": base}
+
+
+def temps(ckpt: str, dtype: str, prompt: int, new: int) -> dict:
+    """The compiled programs' temporaries, from the checkpoint's config alone (nothing loaded)."""
+    from olmo3eqx import checkpoint
+    from olmo3eqx.model import abstract_model
+
+    _, _, cfg = checkpoint.open_model(ckpt)
+    return program_temps(abstract_model(checkpoint.speaking_config(cfg, dtype)), prompt, new, 16)
+
+
+def child(mode: str, ckpt: str, reader: str, dtype: str, prompt: int, new: int, scheduler: str) -> dict:
+    from olmo3eqx import jaxenv
+
+    if scheduler == "memory":
+        jaxenv.prepare_speaking(os.environ)  # as the eval and generate commands do, before JAX starts
+    if mode == "temps":
+        return temps(ckpt, dtype, prompt, new)
+    return speak(ckpt, reader, dtype, prompt, new)
 
 
 def run_child(args: list[str]) -> dict:
@@ -187,8 +207,8 @@ def run_child(args: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        ckpt, reader, dtype, prompt, new, scheduler = argv[1:]
-        print(json.dumps(child(ckpt, reader, dtype, int(prompt), int(new), scheduler)))
+        mode, ckpt, reader, dtype, prompt, new, scheduler = argv[1:]
+        print(json.dumps(child(mode, ckpt, reader, dtype, int(prompt), int(new), scheduler)))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
@@ -219,8 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a float32 checkpoint of {a.layers} layers at {a.width} width in {time.perf_counter() - t0:.0f} s")
     ckpt = a.ckpt or str(work / "ckpt")
     try:
-        rows = {run: run_child([ckpt, *run.split("/")[:1], a.dtype, str(a.prompt), str(a.new), run.split("/")[1]])
-                for run in a.runs.split(",")}
+        rows = {}
+        for run in a.runs.split(","):
+            reader, scheduler = run.split("/")
+            args = [ckpt, reader, a.dtype, str(a.prompt), str(a.new), scheduler]
+            r = {"reader": reader, "scheduler": scheduler, "dtype": a.dtype, **run_child(["speak", *args]),
+                 "temps": run_child(["temps", *args])}
+            r["peak_device"] = max(r["after_load"]["live"], r["live_generating"] + max(r["temps"].values()))
+            rows[run] = r
     finally:
         if work is not None and not a.keep:
             shutil.rmtree(work, ignore_errors=True)

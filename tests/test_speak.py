@@ -139,7 +139,21 @@ def test_speaking_flags_join_the_users_and_leave_a_scheduler_they_chose():
     assert empty["XLA_FLAGS"].split() == list(jaxenv.SPEAKING_XLA_FLAGS)
 
 
-# --- the commands on two processes (the generate and eval commands start XLA with SPEAKING_XLA_FLAGS) -----------
+@pytest.mark.parametrize("module,args", [("olmo3eqx.generate", ["--ckpt", "nowhere", "x"]),
+                                         ("olmo3eqx.tools.evaluate", ["--list-tasks"])])
+def test_the_commands_start_xla_with_the_speaking_flags(module, args):
+    """Run as commands (JAX not yet imported), main adds SPEAKING_XLA_FLAGS before JAX starts."""
+    from olmo3eqx import jaxenv
+
+    script = (f"import os, sys; from {module} import main; main({args!r}); "
+              f"print('XLA_FLAGS=' + os.environ.get('XLA_FLAGS', ''))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    flags = next(line for line in p.stdout.splitlines() if line.startswith("XLA_FLAGS=")).split("=", 1)[1].split()
+    assert flags == list(jaxenv.SPEAKING_XLA_FLAGS), p.stderr[-2000:]
+
+
+# --- the commands on two processes --------------------------------------------------------------
 
 def launch(module: str, args: list[str], processes: int, logs: Path) -> list[tuple[int, str, str]]:
     """`python -m module args` as `processes` jax.distributed processes on loopback, 2 CPU devices each; their

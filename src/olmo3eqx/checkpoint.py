@@ -10,10 +10,10 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
 Readers that need part of a state (model and moments for `init_from`, one leaf for conversion) restore just those
 top-level parts (`restore_parts`); nothing else is read. The model alone (`restore_model`: evaluation, generation,
 `load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers of the device
-shards it lands on, in the dtype asked for: a restore holds the weights it returns plus one stored chunk (orbax's own
-restore reads each shard whole in the stored dtype, then casts and copies it: ~2.5x a bfloat16 model in float32
-checkpoint bytes at its peak, bench/bench_speak_memory.py). save_model and save_model_leaves store arrays in chunks of
-at most CHUNK_BYTES; a training checkpoint's chunks are its device shards.
+shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one stored chunk
+(orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the weights at its
+peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py). save_model and
+save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are its device shards.
 
 A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
 background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
@@ -51,9 +51,9 @@ from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx import storage
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
+from olmo3eqx.hf.weights import aligned_empty
 from olmo3eqx.model import DTYPE, OLMo3, abstract_model
 from olmo3eqx.sharding import is_leaf_like, model_shardings, with_shardings
-from olmo3eqx.hf.weights import aligned_empty
 from olmo3eqx.storage import StorageError, StorePath
 
 STATE = "state"
@@ -205,7 +205,8 @@ def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None) -
     device adopts as is), and each process reads only the shards of its own devices: the restore holds the model it
     returns plus one stored chunk, whatever the checkpoint's dtype, mesh or process count."""
     if "model" not in saved_parts(root, step):
-        raise ConfigError(f"Checkpoint {root / str(step)} holds no model.")
+        raise ConfigError(f"Checkpoint {root / str(step)} holds no model; pass one that train.py or convert.py "
+                          f"wrote.")
     abstract = abstract_model(cfg)
     params, static = eqx.partition(abstract, is_leaf_like)
     if sharding is None:

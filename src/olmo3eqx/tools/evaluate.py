@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -225,21 +226,18 @@ def list_all_tasks() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
-
-    from olmo3eqx.checkpoint import CheckpointLoadError
-    from olmo3eqx.config import ConfigError
-    from olmo3eqx.data import DataError
-    from olmo3eqx.hf import ConversionError
-    from olmo3eqx.storage import StorageError
-
-    import os
-
-    from olmo3eqx import distributed, jaxenv
+    from olmo3eqx import jaxenv
 
     if "jax" not in sys.modules:  # the command, before JAX starts (not a test or a notebook calling main)
         jaxenv.prepare_speaking(os.environ)
-    from olmo3eqx.config import DistConfig
+    import tyro
+
+    from olmo3eqx import distributed
+    from olmo3eqx.checkpoint import CheckpointLoadError
+    from olmo3eqx.config import ConfigError, DistConfig
+    from olmo3eqx.data import DataError
+    from olmo3eqx.hf import ConversionError
+    from olmo3eqx.storage import StorageError
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     try:

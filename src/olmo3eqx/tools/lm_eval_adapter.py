@@ -135,13 +135,15 @@ def main() -> None:
     """The harness's CLI with the olmo3eqx model registered."""
     import os
 
+    from olmo3eqx import jaxenv
+
+    if "jax" not in sys.modules:  # before JAX starts (see olmo3eqx.tools.evaluate.main)
+        jaxenv.prepare_speaking(os.environ)
     from lm_eval.__main__ import cli_evaluate
 
-    from olmo3eqx import distributed, jaxenv
+    from olmo3eqx import distributed
     from olmo3eqx.config import DistConfig
 
-    if "jax" not in sys.modules:
-        jaxenv.prepare_speaking(os.environ)
     distributed.initialize(DistConfig())
     cli_evaluate()
 
