@@ -71,9 +71,9 @@ then libtpu's own flags are the user's, and ours are not added."""
 SPEAKING_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 """XLA flags of the processes that evaluate and generate. XLA:CPU copies a layer's weights out of the stacked blocks
 before its matmuls, and its default scheduler, ordering a program for concurrency, starts every such copy ahead of
-the first matmul: a second copy of the layers as temporaries (0.5x the weights of a 7B-wide model of 4 layers, in
-the prefill and in every decode step). The memory-minimising scheduler copies each weight just before its matmul
-(0.03x; bench/bench_speak_memory.py). XLA:CPU reads this one from XLA_FLAGS only (a compile option is ignored)."""
+the first matmul: a second copy of the layers as temporaries (a decode step of a 7B-wide model of 2 layers: 0.33x
+its weights). The memory-minimising scheduler copies each weight just before its matmul (0.04x;
+bench/bench_speak_memory.py). XLA:CPU reads this one from XLA_FLAGS only (a compile option is ignored)."""
 
 
 def prepare_speaking(env: MutableMapping[str, str]) -> None:
