@@ -8,7 +8,8 @@ Each contender generates once untimed (compiles), then `--repeats` interleaved t
 (prefill and the first token: time to first token) and max_new_tokens=--new; decode tokens/s is batch x (new - 1)
 over the difference. EOS is disabled on both sides so every row makes --new tokens. Ours runs with chunk 16
 (16 decode steps per device program, what `generate` uses for batches) and chunk 1 (one program per token, what
-the CLI streams with). torch runs with as many threads as the machine has cores, XLA as it comes.
+the CLI streams with). torch runs with as many threads as the machine has cores, XLA as olmo3eqx-generate starts it
+(jaxenv.SPEAKING_XLA_FLAGS: the memory-minimising scheduler).
 Prints a table and writes bench/results/generate.json.
 """
 
@@ -22,7 +23,10 @@ from pathlib import Path
 
 import common
 
+from olmo3eqx import jaxenv
+
 common.clean_xla_flags()
+jaxenv.prepare_speaking(common.os.environ)  # XLA started as olmo3eqx-generate starts it
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -182,6 +182,25 @@ def test_convert_bench_round_trips_a_toy_checkpoint(monkeypatch, tmp_path, capsy
     assert [p.name for p in tmp_path.iterdir()] == ["convert.json"]
 
 
+@pytest.mark.slow  # 6 fresh processes; -m slow
+def test_speak_memory_bench_measures_each_run_at_toy_size(monkeypatch, tmp_path, capsys):
+    """bench_speak_memory end to end at toy width: every reader/scheduler run loaded the same weights and generated in
+    its own process, the peaks and temporaries came out, the checkpoint is gone."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_speak_memory
+
+    out = tmp_path / "speak.json"
+    assert bench_speak_memory.main(["--width", "tiny", "--layers", "4", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    assert "ours/memory" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"ours/memory", "ours/concurrency", "orbax/memory"}
+    assert len({r["weights_bytes"] for r in rows.values()}) == 1
+    for r in rows.values():
+        assert r["tokens"] == 16 and r["peak_rss"] > 0 and r["after_load"]["live"] >= r["weights_bytes"]
+        assert r["temps"]["prefill"] > 0 and r["temps"]["decode"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["speak.json"]
+
+
 def test_order_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_order

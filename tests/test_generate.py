@@ -115,13 +115,12 @@ def test_cached_logits_equal_the_full_forward_at_every_position(kw):
     pad = jnp.asarray([width - n for n in lengths], jnp.int32)
     logits, cache = dec.prefill(model, jnp.asarray(tokens), pad, width + 30)
     tables = dec.decode_tables(cfg, width + 30)
-    stepper = dec.decode_model(model)
     tol = 1e-4 if cfg.compute_dtype == "float32" else 0.15
     got = {r: [np.asarray(logits)[r]] for r in range(2)}
     fed = list(lengths)
     for _ in range(20):
         step = jnp.asarray([seq[r, fed[r]] for r in range(2)], jnp.int32)
-        logits, cache = dec.decode_step(stepper, cache, step, tables)
+        logits, cache = dec.decode_step(model, cache, step, tables)
         for r in range(2):
             got[r].append(np.asarray(logits)[r])
             fed[r] += 1

@@ -7,8 +7,13 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
                          (restore_model_leaf)
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
-Readers that need part of a state (the model for evaluation or conversion, model and moments for `init_from`)
-restore just those top-level parts (`restore_parts`); nothing else is read.
+Readers that need part of a state (model and moments for `init_from`, one leaf for conversion) restore just those
+top-level parts (`restore_parts`); nothing else is read. The model alone (`restore_model`: evaluation, generation,
+`load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers of the device
+shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one stored chunk
+(orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the weights at its
+peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py). save_model and
+save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are its device shards.
 
 A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
 background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -34,22 +40,28 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx import exits, storage
 from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
-from olmo3eqx.model import OLMo3, abstract_model
-from olmo3eqx.sharding import is_leaf_like, with_shardings
+from olmo3eqx.hf.weights import aligned_empty
+from olmo3eqx.model import DTYPE, OLMo3, abstract_model
+from olmo3eqx.sharding import is_leaf_like, model_shardings
 from olmo3eqx.storage import StorageError, StorePath
 
 STATE = "state"
 """The item holding the train state (or a converted model) of every checkpoint step."""
+CHUNK_BYTES = 64 * 2**20
+"""Largest stored chunk of an array that save_model and save_model_leaves write: restore_model decodes one chunk at a
+time, so this bounds what a restore holds beyond the weights (a chunk is compressed whole, so a larger one is read
+whole whatever part of it is wanted)."""
 COMMITTED = "commit_success.txt"
 """What orbax writes last into a step it commits on a bucket (and locally with async saves); convert.py's steps on a
 bucket get one too."""
@@ -76,9 +88,11 @@ def save_model(directory: str | StorePath, model: OLMo3, cfg: ModelConfig, step:
     """Write `model` as step `step` of the checkpoint directory (blocking): a state of the model alone."""
     directory = checkpoint_dir(directory, write=True)
     config = {"model": to_dict(cfg), **(extra_config or {})}
+    state = {"model": eqx.filter(model, eqx.is_array)}
+    chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
     with ocp.CheckpointManager(directory, item_names=(STATE, "config")) as mngr:
         mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array)}),
+            state=ocp.args.StandardSave(state, save_args=chunked),
             config=ocp.args.JsonSave(config)), force=True)
         mngr.wait_until_finished()
 
@@ -111,10 +125,13 @@ def save_model_leaves(directory: str | StorePath, cfg: ModelConfig, leaves: Iter
     directory = checkpoint_dir(directory, write=True)
     staging, final = directory / f"{step}.partial", directory / str(step)
     directory.mkdir(parents=True, exist_ok=True)
-    for path, leaf in leaves:
-        ocp_partial.save(staging, {"model": _nest(path, leaf)})
-        del leaf
-    ocp_partial.finalize(staging)
+    chunked = ocp_v1.Context()
+    chunked.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    with chunked:
+        for path, leaf in leaves:
+            ocp_partial.save(staging, {"model": _nest(path, leaf)})
+            del leaf
+        ocp_partial.finalize(staging)
     config = {"model": to_dict(cfg), **(extra_config or {})}
     ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(staging / "config", args=ocp.args.JsonSave(config))
     staging.rename(final)
@@ -182,14 +199,67 @@ def restore_parts(root: StorePath, step: int, targets: dict[str, Any], restore_a
 
 
 def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None) -> OLMo3:
-    """Restore the model arrays of `step` onto `sharding` (a pytree of shardings like the model, or one)."""
+    """The model of `step` in cfg.param_dtype (cast as it is read, when the checkpoint stores another dtype), each leaf
+    built on `sharding` (a tree of shardings like the model's arrays, or one; default the first device). Leaves are
+    read one at a time, every device shard chunk by stored chunk straight into that shard's own buffer (which a CPU
+    device adopts as is), and each process reads only the shards of its own devices: the restore holds the model it
+    returns plus one stored chunk, whatever the checkpoint's dtype, mesh or process count."""
+    if "model" not in saved_parts(root, step):
+        raise ConfigError(f"Checkpoint {root / str(step)} holds no model; pass one that train.py or convert.py "
+                          f"wrote.")
     abstract = abstract_model(cfg)
     params, static = eqx.partition(abstract, is_leaf_like)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = sharding if not isinstance(sharding, jax.sharding.Sharding) else jax.tree.map(lambda _: sharding, params)
-    restored = restore_parts(root, step, {"model": with_shardings(abstract, shardings)})["model"]
-    return eqx.combine(restored, static)
+    reader = StateReader(root / str(step) / STATE)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    arrays = [reader.read("model." + jax.tree_util.keystr(path, simple=True, separator="."), like, s)
+              for (path, like), s in zip(leaves, jax.tree.leaves(shardings))]
+    return eqx.combine(jax.tree.unflatten(tree, arrays), static)
+
+
+class StateReader:
+    """Arrays of a step's saved state read with tensorstore through the specs orbax reads them with (any of its
+    layouts: OCDBT or not, zarr2 or zarr3, written by any number of processes, local or in a bucket)."""
+
+    def __init__(self, state_dir: StorePath):
+        from orbax.checkpoint._src.serialization import tensorstore_utils, types
+
+        self.state_dir, self.tsu, self.types = state_dir, tensorstore_utils, types
+        self.layout = json.loads((state_dir / "_METADATA").read_text())
+        self.context = tensorstore_utils.get_ts_context(use_ocdbt=self.layout["use_ocdbt"])
+
+    def open(self, name: str, dtype):
+        """The stored array `name` (orbax's name: the tree path joined by dots), read as `dtype`."""
+        import tensorstore as ts
+
+        info = self.types.ParamInfo(name=name, parent_dir=self.state_dir, use_zarr3=self.layout["use_zarr3"],
+                                    ts_context=self.context)
+        spec = self.tsu.build_array_read_spec(info, use_ocdbt=self.layout["use_ocdbt"], target_dtype=dtype)
+        return ts.open(spec.json, open=True, context=self.context).result()
+
+    def read(self, name: str, like: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+        """Array `name` shaped like `like`, in its dtype, on `sharding`; each addressable shard filled one stored chunk
+        at a time (a wider read would decode every chunk it spans before copying any)."""
+        stored = self.open(name, like.dtype)
+        if tuple(stored.shape) != tuple(like.shape):
+            raise ConfigError(f"Array {name} of checkpoint {self.state_dir.parent} has shape {list(stored.shape)}, "
+                              f"but its config implies {list(like.shape)}.")
+        chunk = stored.chunk_layout.read_chunk.shape
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            region = [range(n)[i] for n, i in zip(like.shape, index)]
+            out = aligned_empty(tuple(len(r) for r in region), like.dtype)
+            cells = [range(r.start - r.start % c, r.stop, c) for r, c in zip(region, chunk)]
+            for corner in itertools.product(*cells):
+                lo = [max(c, r.start) for c, r in zip(corner, region)]
+                hi = [min(c + k, r.stop) for c, k, r in zip(corner, chunk, region)]
+                part = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
+                out[part] = stored[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result()
+            return out
+
+        return jax.make_array_from_callback(tuple(like.shape), sharding, shard, dtype=like.dtype)
 
 
 def restore_model_leaf(root: StorePath, step: int, path: tuple[str, ...], like: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -212,6 +282,49 @@ def load_model(ckpt_dir: str | StorePath, sharding=None) -> tuple[OLMo3, ModelCo
     """The model and its config from a checkpoint directory (manager root, run dir or step dir)."""
     root, step, cfg = open_model(ckpt_dir)
     return restore_model(root, step, cfg, sharding), cfg
+
+
+class Loaded(NamedTuple):
+    """A model to evaluate or generate with, and what its checkpoint says about it (load_any)."""
+
+    model: OLMo3
+    cfg: ModelConfig
+    stored: dict | None
+    """The config stored with an orbax checkpoint (a training run's: model, data, eval, ...); None for HF."""
+    tokenizer: str | None
+    """An HF directory's tokenizer.json, when it has one."""
+    step: int
+    run_dir: StorePath | None
+    """The run directory of a training checkpoint."""
+
+
+def speaking_config(cfg: ModelConfig, dtype: str | None) -> ModelConfig:
+    """`cfg` with params and compute in `dtype` (None: cfg's compute dtype). The forward casts every weight to the
+    compute dtype before using it, so weights held in that dtype give the same outputs in a fraction of the memory of
+    float32 masters."""
+    dtype = dtype or cfg.compute_dtype
+    return dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
+
+
+def load_any(ckpt: str, mesh, dtype: str | None = None) -> Loaded:
+    """The model of `ckpt` (a run directory's newest step, its checkpoints/, one step, convert.py's output, local or in
+    a bucket, or a local HF Olmo3 directory) restored straight onto `mesh` where training would shard it (one copy,
+    each process reading only its own devices' shards), in `dtype` (params and compute; None: the checkpoint's compute
+    dtype, float32 for an HF directory)."""
+    from olmo3eqx.hf import config_json, weights
+
+    if dtype is not None and dtype not in DTYPE:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE)}.")
+    if not storage.is_url(ckpt) and (Path(ckpt) / config_json.CONFIG_FILE).is_file():
+        w = weights.open_hf(ckpt, DTYPE[dtype or "float32"])
+        model = weights.load_weights(w, model_shardings(abstract_model(w.cfg), mesh))
+        tokenizer = Path(ckpt) / "tokenizer.json"
+        return Loaded(model, w.cfg, None, str(tokenizer) if tokenizer.is_file() else None, 0, None)
+    root, step = resolve_step_dir(ckpt)
+    stored = read_config(root, step)
+    cfg = speaking_config(model_config_from_dict(stored, str(root / str(step))), dtype)
+    model = restore_model(root, step, cfg, model_shardings(abstract_model(cfg), mesh))
+    return Loaded(model, cfg, stored, None, step, root.parent if root.name == "checkpoints" else None)
 
 
 # --- training checkpoints -------------------------------------------------------------------------

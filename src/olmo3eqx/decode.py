@@ -11,7 +11,13 @@ The cache keeps, per layer, the keys and values after QK-norm and RoPE:
   grow with the length. At column t, slot s holds column t - ((t - s) mod R): exactly the window's W keys
   i - W + 1 <= j <= i (attention.py's semantics) once t >= W - 1.
 Prefill runs the layers as a `lax.scan` over the groups of the layer period, as training does; decoding runs them
-unrolled over a per-layer copy of the weights (DecodeModel), one cache array per layer updated in place.
+unrolled, one cache array per layer updated in place. Both read the model's own stacked weights, each layer's cast to
+the compute dtype where it is used (nothing when the weights are held in it, as checkpoint.load_any loads them): no
+second copy of the weights exists while generating. XLA:CPU copies each weight out of the stack before its matmul (it
+fuses no slice into a dot), which costs the CPU decode step time (bench/bench_generate.py); its default scheduler,
+ordering for concurrency, starts every such copy ahead of the first matmul, a second copy of the layers after all,
+which the memory-minimising one (jaxenv.SPEAKING_XLA_FLAGS, set by the eval and generate commands) avoids
+(bench/bench_speak_memory.py, docs/generation.md).
 
 Prefill is the training forward over the padded prompts with segment ids (padding 0, the prompt 1): the same
 attention backends (attention.py), so the same numbers; the decode step attends one query per row to the cache in
@@ -78,34 +84,17 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
     return batch * per_column * sum(cache_lengths(cfg, max_len))
 
 
-class DecodeModel(eqx.Module):
-    """The model as the decode step reads it: in the compute dtype, one Block per layer. A step reads every weight
-    once; sliced out of the stacked blocks inside the step, each layer's weights were copied first (XLA:CPU does not
-    fuse a slice into a matmul), which doubled a step's time (bench/bench_generate.py). Costs one copy of the
-    weights while generating."""
-
-    embed: Float[Array, "vocab hidden"]
-    blocks: tuple[Block, ...]
-    norm: eqx.Module
-    lm_head: Float[Array, "hidden vocab"]
-    cfg: ModelConfig = eqx.field(static=True)
+def layer(blocks: Block, i: int | Int[Array, ""], dtype) -> Block:
+    """Layer i's weights, sliced out of the stacked blocks inside the jit and cast to `dtype`."""
+    return cast_floating(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), blocks), dtype)
 
 
-@eqx.filter_jit
-def decode_model(model: OLMo3) -> DecodeModel:
-    cfg = model.cfg
-    model = cast_floating(model, DTYPE[cfg.compute_dtype])
-    blocks = tuple(jax.tree.map(lambda a, i=i: a[i], model.blocks) for i in range(cfg.num_hidden_layers))
-    return DecodeModel(model.embed, blocks, model.norm, model.lm_head.weight, cfg)
-
-
-def _groups(model: OLMo3) -> tuple[int, int, Block]:
-    """(period, groups, blocks stacked as [groups, period, ...])."""
-    cfg = model.cfg
-    period = layer_period(cfg.resolved_layer_types)
-    groups = cfg.num_hidden_layers // period
-    stacked = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), model.blocks)
-    return period, groups, stacked
+def unembed(model: OLMo3, x: Float[Array, "batch hidden"]) -> Float[Array, "batch vocab"]:
+    """Float32 logits of the final hidden states (normed here), in the compute dtype as the training forward computes
+    them."""
+    dtype = DTYPE[model.cfg.compute_dtype]
+    h = cast_floating(model.norm, dtype)(x)
+    return jnp.matmul(h, model.lm_head.weight.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _to_cache(x: Float[Array, "batch seq kv_heads dim"], length: int) -> Float[Array, "batch length kv_heads dim"]:
@@ -123,19 +112,19 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
     """Run the left-padded prompts (row b's first pad[b] tokens are padding) and fill a cache of max_len columns.
     Returns the float32 logits at the last column, the next token's distribution."""
     cfg = model.cfg
-    model = cast_floating(model, DTYPE[cfg.compute_dtype])
+    dtype = DTYPE[cfg.compute_dtype]
     batch, seq = tokens.shape
     segment_ids = jnp.where(jnp.arange(seq)[None, :] >= pad[:, None], 1, PAD_SEGMENT).astype(jnp.int32)
     positions = document_positions(segment_ids)
     tables = {kind: table.at(positions) for kind, table in rope_tables(seq, cfg).items()}
     kinds = cfg.resolved_layer_types
-    period, groups, stacked = _groups(model)
+    period = layer_period(kinds)
     lengths = cache_lengths(cfg, max_len)[:period]
 
     def run_group(x, group):
         ks, vs = [], []
         for j in range(period):
-            blk = jax.tree.map(lambda a: a[j], group)
+            blk = layer(model.blocks, group * period + j, dtype)
             sliding = kinds[j] == SLIDING
             q, k, v = blk.attn.project(x, cfg, tables[kinds[j]])
             out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
@@ -146,10 +135,10 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
             vs.append(_to_cache(v, lengths[j]))
         return x, (tuple(ks), tuple(vs))
 
-    x = model.embed[tokens]
-    x, (ks, vs) = jax.lax.scan(run_group, x, stacked)  # [groups, ...] per position in the period
-    h = model.norm(x[:, -1])
-    logits = jnp.matmul(h, model.lm_head.weight, preferred_element_type=jnp.float32)
+    x = model.embed[tokens].astype(dtype)
+    groups = jnp.arange(cfg.num_hidden_layers // period)
+    x, (ks, vs) = jax.lax.scan(run_group, x, groups)  # caches [groups, ...] per position in the period
+    logits = unembed(model, x[:, -1])
     per_layer = lambda c: tuple(c[i % period][i // period] for i in range(cfg.num_hidden_layers))  # noqa: E731
     return logits, Cache(per_layer(ks), per_layer(vs), pad.astype(jnp.int32), jnp.asarray(seq, jnp.int32))
 
@@ -176,17 +165,18 @@ def _valid(cache_len: int, t: Int[Array, ""], pad: Int[Array, " batch"], ring: b
 
 
 @eqx.filter_jit
-def decode_step(model: DecodeModel, cache: Cache, tokens: Int[Array, " batch"], tables: dict[str, RopeTable]
+def decode_step(model: OLMo3, cache: Cache, tokens: Int[Array, " batch"], tables: dict[str, RopeTable]
                 ) -> tuple[Float[Array, "batch vocab"], Cache]:
     """Feed one token per row at column cache.length; return the float32 logits for the next column and the cache
-    with this column written. `model`: decode_model(...); `tables`: decode_tables(cfg, max_len)."""
+    with this column written. `tables`: decode_tables(cfg, max_len)."""
     cfg = model.cfg
     t = cache.length
     positions = (t - cache.pad)[:, None]  # [batch, 1]: each row's position within its prompt + generation
     row_tables = {kind: table.at(positions) for kind, table in tables.items()}
-    x = model.embed[tokens][:, None]
+    x = model.embed[tokens].astype(DTYPE[cfg.compute_dtype])[:, None]
     new_k, new_v = [], []
-    for i, (blk, kind) in enumerate(zip(model.blocks, cfg.resolved_layer_types)):
+    for i, kind in enumerate(cfg.resolved_layer_types):
+        blk = layer(model.blocks, i, DTYPE[cfg.compute_dtype])
         q, k, v = blk.attn.project(x, cfg, row_tables[kind])  # [batch, 1, heads, dim]
         length = cache.k[i].shape[1]
         ring = kind == SLIDING
@@ -198,9 +188,7 @@ def decode_step(model: DecodeModel, cache: Cache, tokens: Int[Array, " batch"], 
         x = h + blk.post_feedforward_norm(blk.mlp(h))
         new_k.append(kc)
         new_v.append(vc)
-    h = model.norm(x[:, 0])
-    logits = jnp.matmul(h, model.lm_head, preferred_element_type=jnp.float32)
-    return logits, Cache(tuple(new_k), tuple(new_v), cache.pad, t + 1)
+    return unembed(model, x[:, 0]), Cache(tuple(new_k), tuple(new_v), cache.pad, t + 1)
 
 
 def decode_tables(cfg: ModelConfig, max_len: int) -> dict[str, RopeTable]:
@@ -228,7 +216,7 @@ def sample_logits(logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sample
 
 
 @eqx.filter_jit(donate="all-except-first")
-def decode_chunk(model: DecodeModel, cache: Cache, tokens: Int[Array, " batch"], done: Bool[Array, " batch"],
+def decode_chunk(model: OLMo3, cache: Cache, tokens: Int[Array, " batch"], done: Bool[Array, " batch"],
                  seed: UInt[Array, ""], max_len: int, steps: int, sampler: Sampler, eos_id: int
                  ) -> tuple[Int[Array, "steps batch"], Cache, Int[Array, " batch"], Bool[Array, " batch"]]:
     """`steps` decode steps in one program: feed `tokens`, sample the next ones (the token of column c drawn with

@@ -10,12 +10,15 @@ strings and a length limit, streaming, and the command.
 `--ckpt` takes what olmo3eqx-eval takes (a run, one of its steps, convert.py's output, an HF Olmo3 directory); the
 tokenizer is `--tokenizer`, else an HF directory's tokenizer.json, else the run's eval.tokenizer; a converted
 checkpoint without one needs `--tokenizer`. `--file` reads JSONL lines ({"prompt": ...}, or a JSON string) and
-writes one {"prompt", "completion", "finish", "tokens"} line per prompt.
+writes one {"prompt", "completion", "finish", "tokens"} line per prompt (to `--out`: a local file, or a gs:// or
+s3:// URL written when the last prompt is done). The checkpoint is restored straight onto every device's shard in
+the compute dtype (olmo3eqx.checkpoint.load_any); several processes run the same command together (run's doc).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +28,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from olmo3eqx import exits
+from olmo3eqx import exits, jaxenv
 
 MIN_BUCKET = 16
 """Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
@@ -105,7 +108,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
     seed_array = np.asarray(seed, np.uint32)  # host scalars: replicated on every device and process
     last = dec.first_token(logits, seed_array, np.asarray(width, np.int32), sampler)
     done = last == eos_id
-    stepper = dec.decode_model(model)
     out = [Completion() for _ in range(batch)]
     shown = [0] * batch
     hold = max((len(s) for s in stop), default=1) - 1
@@ -141,7 +143,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sa
         if host_done.all():
             break
         done = done | put(host_done)
-        generated, cache, last, done = dec.decode_chunk(stepper, cache, last, done, seed_array, max_len, chunk,
+        generated, cache, last, done = dec.decode_chunk(model, cache, last, done, seed_array, max_len, chunk,
                                                         sampler, eos_id)
         generated = _to_host(generated)
     return out
@@ -209,7 +211,8 @@ class Args:
     batch_size: int = 16
     """Prompts generated together (--file)."""
     dtype: str | None = None
-    """Compute dtype (float32, bfloat16); unset: the checkpoint's."""
+    """Weights and compute in this dtype (float32, bfloat16, float16); unset: the checkpoint's compute dtype (float32
+    for an HF directory)."""
 
 
 def resolve_tokenizer(args_tokenizer: str | None, hf_tokenizer: str | None, stored: dict | None, ckpt: str) -> str:
@@ -245,18 +248,27 @@ def read_prompt_file(path: str) -> list[str]:
 
 @exits.command
 def main(argv: list[str] | None = None) -> int:
+    if "jax" not in sys.modules:  # the command, before JAX starts (not a test or a notebook calling main)
+        jaxenv.prepare_speaking(os.environ)
     return run(tyro.cli(Args, args=argv, description=__doc__.splitlines()[0]))
 
 
 def run(args: Args) -> int:
+    """The command. Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster JAX
+    detects) generate together, the model sharded over all their devices; process 0 prints and writes."""
     from olmo3eqx import decode as dec
-    from olmo3eqx import storage
-    from olmo3eqx.hf.parity import with_dtype
-    from olmo3eqx.tasks import Tokenizer
-    from olmo3eqx.tools.evaluate import load_any
+    from olmo3eqx import distributed, storage
+    from olmo3eqx.config import DistConfig
 
-    if args.out:  # before the model loads: an --out nothing can write to is said at once
-        storage.write_bytes(storage.check(args.out, "--out", write=True), b"")
+    distributed.initialize(DistConfig())  # before anything touches a device
+    import jax
+
+    from olmo3eqx.checkpoint import load_any
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.sharding import make_mesh
+    from olmo3eqx.tasks import Tokenizer
+
+    out = storage.check(args.out, "--out", write=True) if args.out else None  # refused first
     prompts = list(args.prompts)
     if args.file:
         prompts += read_prompt_file(args.file)
@@ -266,43 +278,40 @@ def run(args: Args) -> int:
         sampler = dec.Sampler(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise GenerationError(str(e)) from None
-    model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt)
-    if args.dtype:
-        model = with_dtype(model, args.dtype)
-    import jax
-
-    from olmo3eqx.config import MeshConfig
-    from olmo3eqx.sharding import make_mesh, model_shardings
-
     mesh = make_mesh(MeshConfig())  # every device: parameters FSDP-sharded as in training, prompts over the data axes
-    model = jax.device_put(model, model_shardings(model, mesh))
+    model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt, mesh, args.dtype)
     tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
-    if tokenizer.vocab_size > cfg.vocab_size:
+    speaks = jax.process_index() == 0
+    if tokenizer.vocab_size > cfg.vocab_size and speaks:
         print(f"warning: the tokenizer {tokenizer.spec} has {tokenizer.vocab_size} ids, the model {cfg.vocab_size}; an "
               f"id beyond the model's stops generation with an error.", file=sys.stderr)
     ids = [x.tolist() for x in tokenizer.encode(prompts)]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
-    stream = len(prompts) == 1 and not args.file and args.out is None
-    if stream:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
+    if len(prompts) == 1 and not args.file and out is None:
+        if speaks:
+            sys.stdout.write(prompts[0])
+            sys.stdout.flush()
         t0 = time.perf_counter()
         [c] = generate(model, ids, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed,
                        stop=stop, decode=tokenizer.decode, chunk=1, mesh=mesh,
-                       on_text=lambda _, text: (sys.stdout.write(text), sys.stdout.flush()))
-        dt = time.perf_counter() - t0
-        sys.stdout.write("\n")
-        print(f"[{len(c.tokens)} tokens in {dt:.1f} s, ended by {c.finish}; step {step} of {args.ckpt}]",
-              file=sys.stderr)
+                       on_text=(lambda _, text: (sys.stdout.write(text), sys.stdout.flush())) if speaks else None)
+        if speaks:
+            sys.stdout.write("\n")
+            print(f"[{len(c.tokens)} tokens in {time.perf_counter() - t0:.1f} s, ended by {c.finish}; step {step} of "
+                  f"{args.ckpt}]", file=sys.stderr)
         return exits.OK
+    if speaks and out is not None:
+        storage.write_bytes(out, b"")  # a batch at a time below: appended to an empty file or object
     for start in range(0, len(ids), args.batch_size):
         batch = ids[start:start + args.batch_size]
         done = generate(model, batch, max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + start,
                         stop=stop, decode=tokenizer.decode, mesh=mesh)
+        if not speaks:  # process 0 prints and writes
+            continue
         lines = "".join(json.dumps({"prompt": p, "completion": c.text, "finish": c.finish, "tokens": len(c.tokens)})
                         + "\n" for p, c in zip(prompts[start:start + len(batch)], done))
-        if args.out:  # a batch at a time: a local file or an object in a bucket (appended once, see storage)
-            storage.append_bytes(args.out, lines.encode())
+        if out is not None:  # a batch at a time: a local file or an object in a bucket (appended once, see storage)
+            storage.append_bytes(out, lines.encode())
         else:
             sys.stdout.write(lines)
             sys.stdout.flush()

@@ -68,6 +68,23 @@ get none). The train step compiles with them as compiler options (olmo3eqx.step)
 then libtpu's own flags are the user's, and ours are not added."""
 
 
+SPEAKING_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+"""XLA flags of the processes that evaluate and generate. XLA:CPU copies a layer's weights out of the stacked blocks
+before its matmuls, and its default scheduler, ordering a program for concurrency, starts every such copy ahead of
+the first matmul: a second copy of the layers as temporaries (a decode step of a 7B-wide model of 2 layers: 0.33x
+its weights). The memory-minimising scheduler copies each weight just before its matmul (0.04x;
+bench/bench_speak_memory.py). XLA:CPU reads this one from XLA_FLAGS only (a compile option is ignored)."""
+
+
+def prepare_speaking(env: MutableMapping[str, str]) -> None:
+    """Add SPEAKING_XLA_FLAGS to `env`'s XLA_FLAGS, each unless the user set that flag. XLA reads XLA_FLAGS once, when
+    JAX starts its first backend: call this first thing in a command (the eval and generate commands do, when JAX is
+    not yet imported)."""
+    flags = env.get("XLA_FLAGS", "").split()
+    names = {f.split("=")[0] for f in flags}
+    env["XLA_FLAGS"] = " ".join(flags + [f for f in SPEAKING_XLA_FLAGS if f.split("=")[0] not in names])
+
+
 def parse_tpu_flags(text: str) -> dict[str, str]:
     """"--name=value --other=value" -> {name: value}; ValueError naming the first token that is not --name=value."""
     flags = {}

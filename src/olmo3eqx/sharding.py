@@ -119,8 +119,9 @@ def tree_shardings(tree, mesh: Mesh):
 
 
 def model_shardings(model, mesh: Mesh):
-    """The training rule applied to a model's arrays (to evaluate a loaded checkpoint where training would put it)."""
-    return tree_shardings(eqx.filter(model, eqx.is_array), mesh)
+    """The training rule applied to a model's arrays, or to its abstract twin's (to restore or place a checkpoint for
+    evaluation where training would put it)."""
+    return tree_shardings(eqx.filter(model, is_leaf_like), mesh)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -13,12 +13,17 @@ present. `--tasks` takes what eval.tasks takes: olmo_eval task names, the named 
 logged names, each task's primary metric and what was evaluated (`spec`). `--all-checkpoints` scores every kept
 step of the run in turn into <run>/eval/step_<N>.json, skipping steps whose file already holds the same spec;
 `olmo3eqx-compare` reads these files beside metrics.jsonl.
+
+The checkpoint is restored straight onto the devices' shards in the compute dtype (olmo3eqx.checkpoint.load_any).
+Several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a cluster JAX detects) evaluate
+together over all their devices, each reading its own shards of the model; process 0 prints and writes the results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -57,27 +62,13 @@ class Args:
     """Documents per task; 0: all."""
     out: str | None = None
     """Where to write the JSON results (one checkpoint only; local, gs:// or s3://)."""
+    dtype: str | None = None
+    """Weights and compute in this dtype (float32, bfloat16); unset: the checkpoint's compute dtype (float32 for an HF
+    directory)."""
     all_checkpoints: bool = False
     """Score every kept checkpoint of the run (those already scored with the same spec are skipped)."""
     list_tasks: bool = False
     """Print the task names and named sets eval.tasks takes, and exit."""
-
-
-def load_any(ckpt: str):
-    """(model, ModelConfig, stored run config dict or None, HF tokenizer.json or None, step, run dir or None)."""
-    from olmo3eqx import checkpoint, hf, storage
-    from olmo3eqx.hf import config_json
-
-    if not storage.is_url(ckpt) and (Path(ckpt) / config_json.CONFIG_FILE).is_file():
-        path = Path(ckpt)
-        model, cfg = hf.load_hf(path)
-        tok = path / "tokenizer.json"
-        return model, cfg, None, str(tok) if tok.is_file() else None, 0, None
-    root, step = checkpoint.resolve_step_dir(ckpt)
-    stored = checkpoint.read_config(root, step)
-    model = checkpoint.restore_model(root, step, checkpoint.model_config_from_dict(stored, str(root / str(step))))
-    run_dir = root.parent if root.name == "checkpoints" else None
-    return model, model.cfg, stored, None, step, run_dir
 
 
 def run_config(stored: dict | None):
@@ -97,6 +88,7 @@ class Setup:
     """What one or many evaluations share: the first model loaded, its evaluator and the spec of what it scores."""
 
     model: object
+    """The loaded model (None once evaluate_all has dropped it to restore the steps one at a time)."""
     step: int
     run_dir: StorePath | None
     evaluator: object
@@ -107,14 +99,14 @@ class Setup:
 def setup(args: Args) -> Setup:
     """Load the checkpoint `args.ckpt` names (the newest step of a run), resolve what to evaluate, build the
     evaluator (sets and tasks read and tokenized once)."""
-    import jax
-
+    from olmo3eqx.checkpoint import load_any
     from olmo3eqx.config import DataConfig, EvalConfig, MeshConfig
     from olmo3eqx.evaluator import build_evaluator
     from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
     from olmo3eqx.tasks import TaskError
 
-    model, model_cfg, stored, hf_tokenizer, step, run_dir = load_any(args.ckpt)
+    mesh = make_mesh(MeshConfig())
+    model, model_cfg, stored, hf_tokenizer, step, run_dir = load_any(args.ckpt, mesh, args.dtype)
     train_cfg = run_config(stored)
     base_eval = train_cfg.eval if train_cfg else EvalConfig()
     data_cfg = train_cfg.data if train_cfg else DataConfig()
@@ -131,12 +123,10 @@ def setup(args: Args) -> Setup:
         raise TaskError("Nothing to evaluate: give --heldout and/or --tasks (this checkpoint stores no run "
                         "config to take them from).")
 
-    mesh = make_mesh(MeshConfig())
     devices = data_parallel_size(mesh)
     batch = args.batch_size or 4 * devices
     batch = -(-batch // devices) * devices
     shardings = model_shardings(model, mesh)
-    model = jax.device_put(model, shardings)
     evaluator = build_evaluator(eval_cfg, data_cfg, model_cfg, mesh=mesh, model_shardings=shardings,
                                 batch_size=batch, seq_len=seq_len, max_instances=args.max_instances,
                                 with_heldout=bool(eval_cfg.heldout or use_default_set))
@@ -155,9 +145,14 @@ def score(s: Setup, model, step: int, ckpt: str) -> dict:
 
 
 def write(result: dict, out: str, evaluator) -> None:
+    """Print and write one checkpoint's results (process 0 of several; the others computed the same ones)."""
+    import jax
+
     from olmo3eqx import storage
     from olmo3eqx.evaluator import table
 
+    if jax.process_index() != 0:
+        return
     storage.makedirs(storage.parent(out) or ".")
     storage.write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"{result['ckpt']} step {result['step']} (seq_len {result['spec']['seq_len']}, "
@@ -193,6 +188,8 @@ def already_scored(path: str, spec: dict) -> bool:
 def evaluate_all(args: Args) -> None:
     """Every kept step of the run, oldest first, into <run>/eval/step_<N>.json; steps already scored with the same
     spec are skipped."""
+    import jax
+
     from olmo3eqx import checkpoint
     from olmo3eqx.config import ConfigError
 
@@ -201,13 +198,19 @@ def evaluate_all(args: Args) -> None:
         raise ConfigError("--out names one file; --all-checkpoints writes <run>/eval/step_<N>.json per step.")
     run_dir = root.parent if root.name == "checkpoints" else root
     s = setup(dataclasses.replace(args, ckpt=str(root)))  # the newest step: its config says what to evaluate
-    for step in steps:
-        out = str(run_dir / "eval" / f"step_{step}.json")
-        if already_scored(out, s.spec):
-            print(f"step {step}: already scored ({out})")
-            continue
-        model = s.model if step == s.step else checkpoint.restore_model(root, step, s.model.cfg, s.shardings)
-        write(score(s, model, step, str(root / str(step))), out, s.evaluator)
+    outs = {step: str(run_dir / "eval" / f"step_{step}.json") for step in steps}
+    # every process reads these before process 0 can write any (scoring a step takes all of them)
+    todo = [step for step in steps if not already_scored(outs[step], s.spec)]
+    if jax.process_index() == 0:
+        for step in sorted(set(steps) - set(todo)):
+            print(f"step {step}: already scored ({outs[step]})")
+    cfg = s.model.cfg
+    if todo != [s.step]:
+        s.model = None  # one model in memory at a time: each step, the newest too, restored in its turn
+    for step in todo:
+        model = s.model if s.model is not None else checkpoint.restore_model(root, step, cfg, s.shardings)
+        write(score(s, model, step, str(root / str(step))), out=outs[step], evaluator=s.evaluator)
+        del model
 
 
 def list_all_tasks() -> None:
@@ -224,11 +227,17 @@ def list_all_tasks() -> None:
 
 @exits.command
 def main(argv: list[str] | None = None) -> int:
+    from olmo3eqx import jaxenv
+
+    if "jax" not in sys.modules:  # the command, before JAX starts (not a test or a notebook calling main)
+        jaxenv.prepare_speaking(os.environ)
     import tyro
 
-    from olmo3eqx.config import ConfigError
+    from olmo3eqx import distributed
+    from olmo3eqx.config import ConfigError, DistConfig
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
+    distributed.initialize(DistConfig())  # several processes score together (see the module doc)
     if args.list_tasks:
         list_all_tasks()
     elif not args.ckpt:

@@ -10,7 +10,10 @@
 
 Model arguments: `ckpt` (anything `olmo3eqx-eval --ckpt` takes), `tokenizer` ('bytes' or a
 tokenizer.json; default: the run's eval.tokenizer, an HF directory's tokenizer.json, else bytes), `max_length`
-(default: the run's data.seq_len) and the harness's `batch_size`. Scoring is olmo3eqx.evaluator's jitted, bucketed,
+(default: the run's data.seq_len), `dtype` (weights and compute; default the checkpoint's compute dtype) and the
+harness's `batch_size`. The checkpoint is restored straight onto the devices' shards (olmo3eqx.checkpoint.load_any);
+under several processes (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) `olmo3eqx-lm-eval` joins them
+first and every process runs the harness over the same requests. Scoring is olmo3eqx.evaluator's jitted, bucketed,
 sharded scorer: `loglikelihood` sums the continuation's log-probabilities given the left-truncated context,
 `loglikelihood_rolling` scores a whole text in the harness's disjoint windows after an EOS prefix;
 `generate_until` generates with olmo3eqx.generate (KV cache, the harness's stop sequences, greedy unless do_sample).
@@ -38,25 +41,24 @@ DEFAULT_GEN_TOKENS = 256
 @register_model("olmo3eqx")
 class OLMo3EqxLM(LM):
     def __init__(self, ckpt: str, tokenizer: str | None = None, max_length: int | str | None = None,
-                 batch_size: int | str | None = None, **_harness_kwargs):
+                 batch_size: int | str | None = None, dtype: str | None = None, **_harness_kwargs):
         super().__init__()
-        import jax
-
+        from olmo3eqx.checkpoint import load_any
         from olmo3eqx.config import MeshConfig
         from olmo3eqx.evaluator import ShardedScorer
         from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
         from olmo3eqx.tasks import Tokenizer
-        from olmo3eqx.tools.evaluate import DEFAULT_SEQ_LEN, load_any, run_config
+        from olmo3eqx.tools.evaluate import DEFAULT_SEQ_LEN, run_config
 
-        model, cfg, stored, hf_tokenizer, _, _ = load_any(ckpt)
+        mesh = make_mesh(MeshConfig())
+        model, cfg, stored, hf_tokenizer, _, _ = load_any(ckpt, mesh, dtype)
         run = run_config(stored)
         self.tokenizer = Tokenizer.load(tokenizer or (run.eval.tokenizer if run else hf_tokenizer or "bytes"))
         self.max_length = int(max_length) if max_length else (
             run.data.seq_len if run else min(DEFAULT_SEQ_LEN, cfg.max_position_embeddings))
-        mesh = make_mesh(MeshConfig())
         per_device = int(batch_size) if str(batch_size or "").isdigit() else DEFAULT_BATCH
         shardings = model_shardings(model, mesh)
-        self.model = jax.device_put(model, shardings)
+        self.model = model
         self.cfg = cfg
         self.scorer = ShardedScorer(mesh, shardings, per_device * data_parallel_size(mesh))
 
@@ -126,4 +128,3 @@ class OLMo3EqxLM(LM):
                 for (i, _), completion in zip(batch, done):
                     out[i] = completion.text
         return out
-
