@@ -44,7 +44,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from common import RESULTS, table, write_json  # noqa: E402
+from common import RESULTS, machine, table  # noqa: E402
 
 OUT = RESULTS / "reference_run"
 
@@ -192,10 +192,15 @@ def prepare_data(plan: Plan, work: Path) -> Data:
         heldout[name] = root / "heldout" / f"{name}.npy"
         heldout[name].parent.mkdir(parents=True, exist_ok=True)
         heldout_documents(texts, plan).tofile(heldout[name])
-        # OLMo-core's LMEvaluator averages over every real token of a document, the last one (no label, loss 0)
-        # included: n tokens, n - 1 predictions (OLMO_CORE.md); ours averages over the predictions.
-        scale[name] = plan.seq_len / (plan.seq_len - 1)
+        scale[name] = olmo_core_heldout_scale(plan)
     return Data(mixes, root, files, heldout, scale)
+
+
+def olmo_core_heldout_scale(plan: Plan) -> float:
+    """OLMo-core's LMEvaluator averages over every real token of a document, the last one (no label, loss 0)
+    included: n tokens for n - 1 predictions (OLMO_CORE.md); ours averages over the predictions. Every held-out
+    document here has seq_len tokens, so its number times seq_len / (seq_len - 1) is ours."""
+    return plan.seq_len / (plan.seq_len - 1)
 
 
 # --- the two sides' configurations -----------------------------------------------------------------
@@ -248,6 +253,14 @@ def full_optim(plan: Plan, stage: int) -> dict:
 # --- processes -------------------------------------------------------------------------------------
 
 
+def child_env() -> dict[str, str]:
+    """This environment without simulated CPU devices (a test suite's): each side runs on one device, as on a host."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
 @dataclass
 class Job:
     """One side of one stage: a command run to completion, killed once with SIGKILL when its metrics reach
@@ -274,7 +287,7 @@ class Job:
             log.flush()
             # A session of its own: the kill reaches every process of the side and nothing else.
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                         start_new_session=True)
+                                         start_new_session=True, env=child_env())
         self.started = time.monotonic()
         self.launches += 1
 
@@ -457,7 +470,7 @@ def as_run_dir(c: Curves, path: Path) -> Path:
 def verdict(a: Path, b: Path, png: Path) -> dict:
     """`olmo3eqx-compare A B`: its printout, and which run (if any) it says shows the memorisation signature."""
     out = subprocess.run([sys.executable, "-m", "olmo3eqx.tools.compare", str(a), str(b), "--out", str(png)],
-                         capture_output=True, text=True, cwd=REPO)
+                         capture_output=True, text=True, cwd=REPO, env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"olmo3eqx-compare failed ({out.returncode}): {out.stderr.strip()}")
     last = [line for line in out.stdout.splitlines() if "signature" in line.lower()][-1]
@@ -507,9 +520,15 @@ def smooth(x: np.ndarray, n: int) -> np.ndarray:
     return np.convolve(x, np.ones(n) / n, mode="valid")
 
 
+FLOOR = 1e-10
+"""Gaps of exactly 0 are drawn at this height on the logarithmic axes."""
+
+
 def plot(sides: dict[str, dict[int, Curves]], clean: dict[int, dict], fault: dict | None, out: Path) -> Path:
-    """Rows: each stage's curves (ours solid, OLMo-core dashed), each stage's gaps; the fault's gaps last. Columns:
-    training loss, held-out losses, gradient norm, learning rate."""
+    """Rows: each stage's curves (ours solid, OLMo-core dashed; dotted verticals where each side resumed after its
+    kill) and each stage's gaps (absolute, logarithmic, the gates in red); last, the fault's gaps, the distribution of
+    the clean per-step gaps and olmo3eqx-compare's verdicts. Columns: training loss, held-out losses, gradient norm,
+    learning rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -517,62 +536,73 @@ def plot(sides: dict[str, dict[int, Curves]], clean: dict[int, dict], fault: dic
 
     stages = sorted(clean)
     rows = 2 * len(stages) + (fault is not None)
-    fig, axes = plt.subplots(rows, 4, figsize=(20, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, 4, figsize=(20, 3.4 * rows), squeeze=False)
     for i, stage in enumerate(stages):
         ours, ref, g = sides["ours"][stage], sides["olmo-core"][stage], clean[stage]
         top, bottom = axes[2 * i], axes[2 * i + 1]
         for c, name, style in ((ours, "ours", "-"), (ref, "OLMo-core", "--")):
-            top[0].plot(c.steps, c.train["train/loss"], style, lw=0.8, label=name)
+            top[0].plot(c.steps, c.train["train/loss"], style, lw=0.7, label=name)
             for n, v in c.heldout.items():
                 top[1].plot(c.eval_steps, v, style, marker="o", ms=2, label=f"{n} ({name})")
-            top[2].plot(c.steps, c.train["train/grad_norm"], style, lw=0.8, label=name)
+            top[2].plot(c.steps, c.train["train/grad_norm"], style, lw=0.7, label=name)
             top[3].plot(c.steps, c.train["train/lr"], style, label=name)
+            if c.replayed:
+                for ax in top:
+                    ax.axvline(c.replayed["resumed_from_step"], ls=":", lw=0.8, color="C0" if name == "ours" else "C1")
         for ax, title in zip(top, ("training loss (CE)", "held-out loss", "grad norm (before clipping)", "LR")):
             ax.set_title(f"stage {stage}: {title}", fontsize=10)
             ax.legend(fontsize=7)
         top[0].set_ylim(top=float(np.quantile(ours.train["train/loss"], 0.98)) + 0.2)
-        bottom[0].plot(ours.steps, g["train_loss_rel"], lw=0.6)
-        bottom[0].axhline(GATES["train_loss_rel"], color="red", lw=0.6)
-        bottom[0].axhline(-GATES["train_loss_rel"], color="red", lw=0.6)
-        for n, v in g["heldout"].items():
-            bottom[1].plot(g["eval_steps"], v, marker="o", ms=2, label=n)
-        bottom[1].axhline(GATES["heldout_final"], color="red", lw=0.6)
-        bottom[1].axhline(-GATES["heldout_final"], color="red", lw=0.6)
-        bottom[1].legend(fontsize=7)
-        bottom[2].plot(ours.steps, g["grad_norm_rel"], lw=0.6)
-        bottom[3].plot(ours.steps, g["lr_rel"], lw=0.6)
-        for ax, title in zip(bottom, ("training loss: (ours - OLMo-core) / OLMo-core", "held-out: ours - OLMo-core (nats)",
-                                      "grad norm: relative gap", "LR: gap over the peak LR")):
+        panels = ((ours.steps, {"": g["train_loss_rel"]}, GATES["train_loss_rel"],
+                   "|training loss gap| / OLMo-core's"),
+                  (g["eval_steps"], g["heldout"], GATES["heldout_final"], "|held-out gap| (nats)"),
+                  (ours.steps, {"": g["grad_norm_rel"]}, None, "|grad norm gap| / OLMo-core's"),
+                  (ours.steps, {"": g["lr_rel"]}, None, "|LR gap| / peak LR"))
+        for ax, (x, series, gate, title) in zip(bottom, panels):
+            for n, v in series.items():
+                ax.semilogy(x, np.maximum(np.abs(v), FLOOR), marker="o" if len(x) < 100 else None, ms=2, lw=0.6,
+                            label=n or None)
+            if gate is not None:
+                ax.axhline(gate, color="red", lw=0.8, label="gate")
             ax.set_title(f"stage {stage}: {title}", fontsize=10)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
     if fault is not None:
         row = axes[-1]
         offset = 0
+        window = max(1, len(clean[stages[0]]["train_loss_rel"]) // 20)
         for stage in stages:
-            window = max(1, len(clean[stage]["train_loss_rel"]) // 20)
             steps = sides["ours"][stage].steps + offset
             for g, name, style in ((fault["gaps"][stage], "fault", "-"), (clean[stage], "clean", "--")):
-                base = sides["olmo-core"][stage].train["train/loss"]
-                gap = g["train_loss_rel"] * base
+                gap = g["train_loss_rel"] * sides["olmo-core"][stage].train["train/loss"]
                 row[0].plot(steps[window - 1:], smooth(gap, window), style, color="C3" if name == "fault" else "C0",
                             label=f"{name}, stage {stage}")
                 for n, v in g["heldout"].items():
                     row[1].plot(g["eval_steps"] + offset, v, style, marker="o", ms=2,
-                                label=f"{n} {name}, stage {stage}")
+                                label=f"{n}, {name}, stage {stage}")
             offset += len(steps)
-        row[0].set_title(f"fault: training-loss gap to OLMo-core (nats, mean of {window} steps)", fontsize=10)
+        row[0].set_title(f"fault: training-loss gap to OLMo-core (nats, {window}-step mean)", fontsize=10)
         row[1].set_title("fault: held-out gap to OLMo-core (nats)", fontsize=10)
         for ax in row[:2]:
             ax.axhline(0, color="black", lw=0.5)
             ax.legend(fontsize=6)
-        for stage, ax in zip(stages, row[2:]):
-            ax.axis("off")
+        for stage in stages:
+            a = np.maximum(np.abs(clean[stage]["train_loss_rel"]), FLOOR)
+            row[2].hist(a, bins=np.logspace(np.log10(FLOOR), 0, 41), histtype="step", label=f"stage {stage}")
+        row[2].set_xscale("log")
+        row[2].axvline(GATES["train_loss_rel"], color="red", lw=0.8, label="gate")
+        row[2].set_title("clean: per-step |training loss gap| / OLMo-core's (steps)", fontsize=10)
+        row[2].legend(fontsize=7)
+        row[3].axis("off")
+        text = [f"olmo3eqx-compare A B (A = ours with the fault, B = OLMo-core)"]
+        for stage in stages:
             v = fault["verdicts"][str(stage)]
-            ax.text(0, 0.5, f"olmo3eqx-compare, stage {stage}\n(A = ours with the fault, B = OLMo-core):\n\n"
-                    + fill(v["line"], 60), fontsize=8, va="center", family="monospace",
-                    color="red" if v["flagged"] else "black")
+            text += ["", f"stage {stage}:", fill(v["line"], 58)]
+        row[3].text(0, 0.5, "\n".join(text), fontsize=8, va="center", family="monospace",
+                    color="red" if any(v["flagged"] for v in fault["verdicts"].values()) else "black")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=72)
     plt.close(fig)
     return out
 
@@ -584,14 +614,17 @@ def fill(text: str, width: int) -> str:
 
 
 def jsonable(x):
+    """Plain JSON values; floats to 8 significant digits (float32's, which both sides log), NaN as null."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return [None if not math.isfinite(v) else v for v in x.tolist()] if x.dtype.kind == "f" else x.tolist()
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [jsonable(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
     if isinstance(x, Curves):
-        return jsonable(dataclasses.asdict(x))
+        return {"train/loss": x.train["train/loss"], "train/grad_norm": x.train["train/grad_norm"],
+                "train/lr": x.train["train/lr"], "eval_steps": x.eval_steps,
+                "heldout": x.heldout, "replayed": x.replayed}
+    if isinstance(x, float):
+        return float(f"{x:.8g}") if math.isfinite(x) else None
     return x
 
 
@@ -714,14 +747,15 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
         "optim": {str(s): full_optim(plan, s) for s in (1, 2)},
         "resumes": {n: {str(s): c.replayed for s, c in by_stage.items() if c.replayed}
                     for n, by_stage in sides.items()},
-        "clean": {str(s): {"summary": g["summary"]} for s, g in clean.items()},
+        "clean": clean,
         "verdicts": verdicts,
-        "fault": None if fault_report is None else {
-            "shards": plan.shards, "verdicts": verdicts["fault"],
-            "gaps": {str(s): {"summary": g["summary"]} for s, g in fault_report["gaps"].items()}},
+        "fault": fault_report,
         "curves": sides,
     }
-    path = write_json(out / "reference_run.json", jsonable(report))
+    path = out / "reference_run.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Compact: the per-step curves of six runs are most of it (the docs keep one).
+    path.write_text(json.dumps(jsonable({"machine": machine(), **report}), separators=(",", ":")) + "\n")
     print()
     print(gap_table(clean, fault_report))
     print()
