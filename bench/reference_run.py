@@ -11,14 +11,15 @@ Everything runs as a user would run it, each side in its own processes (up to --
    reference of pydoc_data) to unseen code; two held-out sets, code and prose, one document of seq_len tokens each.
 2. init: OLMo-core builds and initialises its olmo3_14M shape (bench/reference_olmo_core.py init) and exports it
    with save_hf_model; `convert.py hf-to-orbax` converts it: both sides start from the same weights.
-3. stage 1: `python train.py --config ours-stage1.yaml` and OLMo-core's Trainer (reference_olmo_core.py train), the
-   same recipe numbers (AdamW with float32 moments, warmup and cosine, z-loss, clipping, spike skipping, no decay on
-   the embedding), the same batches (data.order olmo-core); each is killed with SIGKILL once past its mid-run
-   checkpoint and relaunched: ours resumes from its checkpoint, OLMo-core's Trainer from its save folder.
+3. stage 1: `python train.py --config ours-stage1.yaml` and OLMo-core's Trainer (reference_olmo_core.py train), AI2's
+   recipe numbers on both (AdamW with float32 moments, peak LR 3e-4, warmup then cosine, z-loss, clipping, spike
+   skipping, no decay on the embedding), the same batches (data.order olmo-core); each is killed with SIGKILL once
+   past its mid-run checkpoint and relaunched: ours resumes from its checkpoint, OLMo-core's Trainer from its save
+   folder.
 4. stage 2: each side from its own last stage-1 checkpoint (weights and AdamW moments; step and data fresh), the
-   second mix, AI2's stage-2 peak LR ratio, linear to 0; killed and resumed once likewise.
-5. fault: ours again through both stages with the MaxText port's double sharding (bench/reference_fault.py), against
-   the same OLMo-core run, and `olmo3eqx-compare` on each pair.
+   second mix, AI2's stage-2 peak LR 2.0712e-4, linear to 0; killed and resumed once likewise.
+5. fault: ours again through both stages with a double-sharded loader (bench/reference_fault.py: every record read
+   8 times), against the same OLMo-core run, and `olmo3eqx-compare` on each pair.
 Written to --out: reference_run.json (every per-step series, gaps, their distribution, the resumes, the verdicts,
 the gates, the costs) and reference_run.png. Printed: the table of gaps and the gates. Exit 0 when every gate holds,
 1 when one does not, 2 on bad input.
@@ -70,7 +71,8 @@ largest final held-out gap (nats) of any set at the end of either stage. Why the
 OLMO_CORE_NAMES = {"train/CE loss": "train/loss", "train/Z loss": "train/z_loss",
                    "optim/total grad norm": "train/grad_norm", "optim/LR (group 0)": "train/lr",
                    "optim/step skipped": "train/skipped"}
-"""OLMo-core's metric -> ours; its held-out `eval/lm/<set>/CE loss` becomes eval/<set>/loss (heldout_scale)."""
+"""OLMo-core's metric -> ours; its held-out `eval/lm/<set>/CE loss` becomes eval/<set>/loss (olmo_core_heldout_scale)."""
+HELDOUT_SETS = ("code", "prose")
 TRAIN = ("train/loss", "train/z_loss", "train/grad_norm", "train/lr", "train/skipped")
 
 
@@ -121,7 +123,6 @@ class Data:
     root: Path  # the mixes' data root
     files: dict[int, list[tuple[str, str]]]  # stage -> (label, token file) in mix order
     heldout: dict[str, Path]  # set -> token file of seq_len-token documents
-    heldout_scale: dict[str, float]  # set -> OLMo-core's LM evaluator's number times this is the per-prediction mean
 
 
 def documents() -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
@@ -187,13 +188,12 @@ def prepare_data(plan: Plan, work: Path) -> Data:
             files[stage].append((label, str(path)))
         mixes[stage] = root / f"stage{stage}-mix.txt"
         mixes[stage].write_text("\n".join(lines) + "\n")
-    heldout, scale = {}, {}
-    for name, texts in (("code", heldout_code), ("prose", heldout_prose)):
+    heldout = {}
+    for name, texts in zip(HELDOUT_SETS, (heldout_code, heldout_prose)):
         heldout[name] = root / "heldout" / f"{name}.npy"
         heldout[name].parent.mkdir(parents=True, exist_ok=True)
         heldout_documents(texts, plan).tofile(heldout[name])
-        scale[name] = olmo_core_heldout_scale(plan)
-    return Data(mixes, root, files, heldout, scale)
+    return Data(mixes, root, files, heldout)
 
 
 def olmo_core_heldout_scale(plan: Plan) -> float:
@@ -230,7 +230,7 @@ def olmo_core_spec(plan: Plan, stage: int, data: Data, side_dir: Path, init: Pat
                    optim: dict) -> dict:
     """reference_olmo_core.py's spec for one stage: the same numbers, OLMo-core's names."""
     return {
-        "stage": stage, "steps": plan.stage_steps(stage), "save_folder": str(side_dir / f"stage{stage}"),
+        "steps": plan.stage_steps(stage), "save_folder": str(side_dir / f"stage{stage}"),
         "work_dir": str(side_dir / "work"), "metrics": str(side_dir / f"stage{stage}.jsonl"),
         "init": None if init is None else str(init), "load_path": None if load_path is None else str(load_path),
         "paths": [p for _, p in data.files[stage]], "labels": [label for label, _ in data.files[stage]],
@@ -302,18 +302,12 @@ class Job:
         return self.proc.returncode
 
     def last_step(self) -> tuple[int, int]:
-        """(lines, the largest training step) of the metrics file so far."""
+        """(complete lines, the largest training step in them) of the metrics file so far; a line still being written
+        (or torn by the kill, which the relaunched writer drops) is not counted."""
         if not self.metrics.is_file():
             return 0, 0
-        lines = self.metrics.read_text().splitlines()
-        steps = [0]
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if "train/loss" in rec or "train/CE loss" in rec:
-                steps.append(int(rec["step"]))
+        lines = self.metrics.read_text().split("\n")[:-1]
+        steps = [0] + [int(rec["step"]) for rec in map(json.loads, lines) if "train/loss" in rec or "train/CE loss" in rec]
         return len(lines), max(steps)
 
     def kill_if_due(self) -> None:
@@ -475,7 +469,9 @@ def verdict(a: Path, b: Path, png: Path) -> dict:
         raise RuntimeError(f"olmo3eqx-compare failed ({out.returncode}): {out.stderr.strip()}")
     last = [line for line in out.stdout.splitlines() if "signature" in line.lower()][-1]
     flagged = "A" if "SIGNATURE in run A" in last else "B" if "SIGNATURE in run B" in last else None
-    return {"flagged": flagged, "line": last, "printout": out.stdout}
+    better = next((run for run in "AB" if f"run {run}'s train loss" in last), None) if "real improvement" in last \
+        else None
+    return {"flagged": flagged, "better": better, "line": last, "printout": out.stdout}
 
 
 def check_gates(clean: dict[int, dict], fault: dict | None) -> dict[str, dict]:
@@ -485,9 +481,14 @@ def check_gates(clean: dict[int, dict], fault: dict | None) -> dict[str, dict]:
     out = {"train_loss_rel": {"limit": GATES["train_loss_rel"], "seen": train, "holds": train <= GATES["train_loss_rel"]},
            "heldout_final": {"limit": GATES["heldout_final"], "seen": final, "holds": final <= GATES["heldout_final"]}}
     if fault is not None:
-        named = fault["verdicts"]["1"]["flagged"] == "A"
-        out["fault_named"] = {"limit": "stage 1's verdict flags the faulty run (A)", "seen": fault["verdicts"]["1"]["line"],
-                              "holds": named}
+        gaps = [v for g in fault["gaps"].values() for v in g["summary"]["heldout_final"].values()]
+        out["fault_heldout"] = {"limit": f"every final held-out gap of the faulty run > {GATES['heldout_final']}",
+                                "seen": min(gaps), "holds": min(gaps) > GATES["heldout_final"]}
+        verdicts = list(fault["verdicts"].values())
+        out["fault_verdict"] = {
+            "limit": "olmo3eqx-compare flags the faulty run (A) or rates OLMo-core's (B) the better one, each stage",
+            "seen": " | ".join(v["line"] for v in verdicts),
+            "holds": all(v["flagged"] == "A" or v["better"] == "B" for v in verdicts)}
     return out
 
 
@@ -620,9 +621,9 @@ def jsonable(x):
     if isinstance(x, (list, tuple, np.ndarray)):
         return [jsonable(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
     if isinstance(x, Curves):
-        return {"train/loss": x.train["train/loss"], "train/grad_norm": x.train["train/grad_norm"],
-                "train/lr": x.train["train/lr"], "eval_steps": x.eval_steps,
-                "heldout": x.heldout, "replayed": x.replayed}
+        return jsonable({"train/loss": x.train["train/loss"], "train/grad_norm": x.train["train/grad_norm"],
+                         "train/lr": x.train["train/lr"], "eval_steps": x.eval_steps,
+                         "heldout": x.heldout, "replayed": x.replayed})
     if isinstance(x, float):
         return float(f"{x:.8g}") if math.isfinite(x) else None
     return x
@@ -713,16 +714,32 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
     jobs.sort(key=lambda j: order[j.name])
     print(f"training: {len(jobs)} runs, {max_jobs} at a time (logs in {work / 'logs'})", flush=True)
     run_jobs(jobs, max_jobs, timeout_s - (time.monotonic() - t0))
+    record = {"plan": dataclasses.asdict(plan), "fault": fault, "total_wall_s": round(time.monotonic() - t0, 1),
+              "jobs": {j.name: {"metrics": str(j.metrics), "wall_s": round(j.wall_s, 1), "cpu_s": round(j.cpu_s, 1),
+                                "launches": j.launches, "killed_at_line": j.killed_at_line}
+                       for j in [init_job, convert, *jobs]}}
+    (work / JOBS).write_text(json.dumps(record, indent=1))
+    return report(work, out)
 
-    by_name = {j.name: j for j in jobs}
-    sets = list(data.heldout)
+
+JOBS = "jobs.json"
+"""In the work directory once training is done: the plan and each job's metrics file, cost and kill, all that
+`report` reads besides the metrics (so a report can be made again without training: report(work, out))."""
+
+
+def report(work: Path, out: Path) -> int:
+    """The gaps, verdicts, gates, JSON and PNG of the finished runs in `work`; returns the exit code."""
+    record = json.loads((work / JOBS).read_text())
+    plan, fault, jobs = Plan(**record["plan"]), record["fault"], record["jobs"]
+    sets = list(HELDOUT_SETS)
     sides: dict[str, dict[int, Curves]] = {}
     for name in ["ours", "olmo-core"] + (["ours-fault"] if fault else []):
         sides[name] = {}
         for stage in (1, 2):
-            job = by_name[f"{name}-stage{stage}"]
-            recs = records_of(job.metrics, data.heldout_scale if name == "olmo-core" else None)
-            sides[name][stage] = curves(recs, plan.stage_steps(stage), sets, job.killed_at_line)
+            job = jobs[f"{name}-stage{stage}"]
+            scale = {n: olmo_core_heldout_scale(plan) for n in sets} if name == "olmo-core" else None
+            recs = records_of(Path(job["metrics"]), scale)
+            sides[name][stage] = curves(recs, plan.stage_steps(stage), sets, job["killed_at_line"])
     clean = {stage: gaps(sides["ours"][stage], sides["olmo-core"][stage]) for stage in (1, 2)}
     pairs = {"clean": "ours"} | ({"fault": "ours-fault"} if fault else {})
     verdicts = {}
@@ -739,27 +756,29 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
                         "verdicts": verdicts["fault"]}
     gates = check_gates(clean, fault_report)
     png = plot(sides, clean, fault_report, out / "reference_run.png")
-    costs = {j.name: {"wall_s": round(j.wall_s, 1), "cpu_s": round(j.cpu_s, 1), "launches": j.launches}
-             for j in [init_job, convert, *jobs]}
-    report = {
-        "plan": dataclasses.asdict(plan), "gates": gates, "costs": costs,
-        "total_wall_s": round(time.monotonic() - t0, 1),
+    costs = {n: {k: j[k] for k in ("wall_s", "cpu_s", "launches")} for n, j in jobs.items()}
+    result = {
+        "plan": record["plan"], "gates": gates, "costs": costs, "total_wall_s": record["total_wall_s"],
         "optim": {str(s): full_optim(plan, s) for s in (1, 2)},
         "resumes": {n: {str(s): c.replayed for s, c in by_stage.items() if c.replayed}
                     for n, by_stage in sides.items()},
-        "clean": clean,
+        # The per-step curves of every run, and of the gaps those the PNG shows as such (the rest follow from them).
+        "clean": {stage: {k: g[k] for k in ("summary", "train_loss_rel", "eval_steps", "heldout")}
+                  for stage, g in clean.items()},
         "verdicts": verdicts,
-        "fault": fault_report,
+        "fault": None if fault_report is None else {
+            **fault_report, "gaps": {stage: {k: g[k] for k in ("summary", "eval_steps", "heldout")}
+                                     for stage, g in fault_report["gaps"].items()}},
         "curves": sides,
     }
     path = out / "reference_run.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     # Compact: the per-step curves of six runs are most of it (the docs keep one).
-    path.write_text(json.dumps(jsonable({"machine": machine(), **report}), separators=(",", ":")) + "\n")
+    path.write_text(json.dumps(jsonable({"machine": machine(), **result}), separators=(",", ":")) + "\n")
     print()
     print(gap_table(clean, fault_report))
     print()
-    for n, by_stage in report["resumes"].items():
+    for n, by_stage in result["resumes"].items():
         for s, r in by_stage.items():
             print(f"resume {n} stage {s}: killed after step {r['killed_after_step']}, resumed from step "
                   f"{r['resumed_from_step']}, {r['steps_replayed']} steps logged again, largest loss difference "
@@ -769,7 +788,7 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
             print(f"olmo3eqx-compare, {label} stage {s}: {v['line']}")
     for name, g in gates.items():
         print(f"gate {name}: {'holds' if g['holds'] else 'FAILS'} (limit {g['limit']}, seen {g['seen']})")
-    print(f"cost: {report['total_wall_s']:.0f} s in all; " + ", ".join(
+    print(f"cost: {result['total_wall_s']:.0f} s in all; " + ", ".join(
         f"{n} {c['wall_s']:.0f} s ({c['cpu_s']:.0f} CPU s)" for n, c in costs.items()))
     print(f"wrote {path} and {png}")
     return 0 if all(g["holds"] for g in gates.values()) else 1
