@@ -89,12 +89,38 @@ def test_a_resume_s_replayed_steps_are_found_and_compared(harness):
     after[3]["train/loss"] += 1e-3  # step 7's replay differs
     r = run.replay(before + after, killed_at_line=len(before))
     assert r == {"killed_after_step": 7, "resumed_from_step": 4, "steps_replayed": 3,
-                 "max_abs_loss_diff": pytest.approx(1e-3)}
+                 "max_abs_loss_diff": pytest.approx(1e-3), "first_differing_step": 7}
     c = run.curves(before + after, 10, ["code"], len(before))
     assert c.train["train/loss"][6] == pytest.approx(5.0 - 0.7 + 1e-3)  # the last record of a step wins
     assert c.eval_steps.tolist() == [5]
     with pytest.raises(ValueError, match="2 training steps have no record"):
         run.curves(before, 9, ["code"], None)
+
+
+def test_gates_read_the_steps_both_sides_updated_alike(harness):
+    """A skip decision the two sides disagree on ends the part of the run the gates read; it passes the skips gate only
+    where OLMo-core's resumed run disagreed with its own uninterrupted run at that step (its guard's history lost)."""
+    run, _ = harness
+    steps = np.arange(1, 11)
+
+    def side(loss, skipped, heldout):
+        train = {k: np.ones(10) for k in run.TRAIN} | {"train/loss": loss, "train/skipped": skipped}
+        return run.Curves(steps, train, np.array([0, 5, 10]), {"code": heldout})
+
+    ref_loss = np.linspace(3.0, 2.0, 10)
+    ours_loss = ref_loss * (1 + 1e-7)
+    ours_loss[6:] += 0.01  # from step 7 on: the weights differ after step 6's update
+    ref_skips = np.zeros(10)
+    ref_skips[5] = 1  # OLMo-core skipped step 6, ours did not
+    g = run.gaps(side(ours_loss, np.zeros(10), np.array([3.0, 2.5, 2.1])),
+                 side(ref_loss, ref_skips, np.array([3.0, 2.5 + 1e-7, 2.0])))
+    s = g["summary"]
+    assert s["skip_disagreements"] == [6] and s["same_updates_through"] == 6
+    assert s["train_loss_rel_max"] == pytest.approx(1e-7, rel=1e-3) and s["train_loss_rel_max_all"] > 3e-3
+    assert s["heldout_max"]["code"] == pytest.approx(1e-7, abs=1e-9)  # the evaluation at step 10 is left out
+    explained = run.check_gates({2: g}, {2: {"first_differing_step": 6}}, None)
+    assert all(gate["holds"] for gate in explained.values())
+    assert not run.check_gates({2: g}, {2: {"first_differing_step": None}}, None)["skips"]["holds"]
 
 
 @pytest.mark.slow  # ~10 min on 2 busy cores: eight processes, each compiling or building its side
@@ -114,6 +140,6 @@ def test_the_harness_runs_both_sides_both_stages_with_kills_and_the_fault(harnes
         assert s["lr_rel_max"] < 1e-6 and s["skipped"]["ours"] == s["skipped"]["olmo_core"]
         assert s["train_loss_rel_max"] <= run.GATES["train_loss_rel"]
         assert report["verdicts"]["clean"][stage]["flagged"] is None
-    assert report["gates"]["train_loss_rel"]["holds"] and report["gates"]["heldout_final"]["holds"]
+    assert all(report["gates"][g]["holds"] for g in ("train_loss_rel", "heldout", "skips"))
     assert code == (0 if all(g["holds"] for g in report["gates"].values()) else 1)
     assert "gate train_loss_rel: holds" in printed and (out / "reference_run.png").stat().st_size > 50_000
