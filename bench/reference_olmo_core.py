@@ -12,8 +12,9 @@ the embedding without weight decay, configured as AI2's OLMo 3 scripts configure
 OptimConfig), a NumpyFSLDataLoader over its NumpyFSLDataset of the stage's token files, its CheckpointerCallback and
 its LMEvaluatorCallback over NumpyPaddedFSLDatasets of the held-out files. Stage 2 loads stage 1's last checkpoint
 as AI2's midtraining script does (load_trainer_state False, load_optim_state True); a rerun of the same command
-resumes from the stage's own save folder, OLMo-core's own resume. Every step's metrics go to the spec's `metrics`
-file, one JSON object per line, under OLMo-core's names (JsonlMetrics).
+resumes from the stage's own save folder, OLMo-core's own resume (which, in 3.0.0, starts the spike guard's history
+afresh). Every step's metrics go to the spec's `metrics` file, one JSON object per line, under OLMo-core's names
+(JsonlMetrics).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def data_loader(spec: dict):
     from olmo_core.data import DataCollator, NumpyDataLoaderBase, NumpyFSLDataset
 
     dataset = NumpyFSLDataset(*spec["paths"], sequence_length=spec["seq_len"], pad_token_id=spec["pad"],
-                              eos_token_id=spec["eos"], vocab_size=spec["vocab_size"], dtype=np.dtype(spec["dtype"]).type,
+                              eos_token_id=spec["eos"], vocab_size=spec["vocab_size"],
+                              dtype=np.dtype(spec["dtype"]).type,
                               metadata=[{"label": label} for label in spec["labels"]])
     dataset.work_dir = Path(spec["work_dir"])
     dataset.prepare()
@@ -146,7 +148,8 @@ def train(spec: dict) -> None:
             load_path=spec.get("load_path"), load_trainer_state=False if stage2 else None,
             load_optim_state=True if stage2 else None, metrics_collect_interval=1,
             callbacks={
-                "checkpointer": CheckpointerCallback(save_interval=spec["checkpoint_every"], pre_train_checkpoint=False),
+                "checkpointer": CheckpointerCallback(save_interval=spec["checkpoint_every"],
+                                                     pre_train_checkpoint=False),
                 "console_logger": ConsoleLoggerCallback(metrics_log_interval=spec["log_every"]),
                 "lm_evaluator": lm_evaluator(spec),
                 "jsonl_metrics": metrics_callback(spec["metrics"]),

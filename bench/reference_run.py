@@ -21,8 +21,10 @@ Everything runs as a user would run it, each side in its own processes (up to --
 5. fault: ours again through both stages with a double-sharded loader (bench/reference_fault.py: every record read
    8 times), against the same OLMo-core run, and `olmo3eqx-compare` on each pair.
 Written to --out: reference_run.json (every per-step series, gaps, their distribution, the resumes, the verdicts,
-the gates, the costs) and reference_run.png. Printed: the table of gaps and the gates. Exit 0 when every gate holds,
-1 when one does not, 2 on bad input.
+the gates, the costs) and reference_run.png. Printed: the table of gaps and the gates (GATES; read while both sides
+apply the same updates, see gaps). Exit 0 when every gate holds, 1 when one does not or a side fails (its log's end
+printed), 2 on bad input. Training leaves --work/jobs.json; report(work, out) makes the outputs again from it without
+training.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 from common import RESULTS, machine, table  # noqa: E402
+
+from olmo3eqx import exits  # noqa: E402
 
 OUT = RESULTS / "reference_run"
 
@@ -72,7 +76,8 @@ these sizes: docs/reproduction.md."""
 OLMO_CORE_NAMES = {"train/CE loss": "train/loss", "train/Z loss": "train/z_loss",
                    "optim/total grad norm": "train/grad_norm", "optim/LR (group 0)": "train/lr",
                    "optim/step skipped": "train/skipped"}
-"""OLMo-core's metric -> ours; its held-out `eval/lm/<set>/CE loss` becomes eval/<set>/loss (olmo_core_heldout_scale)."""
+"""OLMo-core's metric -> ours; its held-out `eval/lm/<set>/CE loss` becomes eval/<set>/loss, times
+olmo_core_heldout_scale."""
 HELDOUT_SETS = ("code", "prose")
 TRAIN = ("train/loss", "train/z_loss", "train/grad_norm", "train/lr", "train/skipped")
 
@@ -308,7 +313,8 @@ class Job:
         if not self.metrics.is_file():
             return 0, 0
         lines = self.metrics.read_text().split("\n")[:-1]
-        steps = [0] + [int(rec["step"]) for rec in map(json.loads, lines) if "train/loss" in rec or "train/CE loss" in rec]
+        records = map(json.loads, lines)
+        steps = [0] + [int(rec["step"]) for rec in records if "train/loss" in rec or "train/CE loss" in rec]
         return len(lines), max(steps)
 
     def kill_if_due(self) -> None:
@@ -431,7 +437,8 @@ def gaps(ours: Curves, ref: Curves) -> dict:
     other's did not (from the next step on they train different weights; `same_updates_through`, the last step of
     that part, is the run's last step when no such step exists)."""
     rel = {k: (ours.train[k] - ref.train[k]) / np.abs(ref.train[k]) for k in ("train/loss", "train/grad_norm")}
-    rel["train/lr"] = (ours.train["train/lr"] - ref.train["train/lr"]) / np.abs(ref.train["train/lr"]).max()  # 0 at the end
+    peak = np.abs(ref.train["train/lr"]).max()  # the LR is 0 at stage 2's end: gaps over the peak
+    rel["train/lr"] = (ours.train["train/lr"] - ref.train["train/lr"]) / peak
     common, io, ir = np.intersect1d(ours.eval_steps, ref.eval_steps, return_indices=True)
     held = {n: ours.heldout[n][io] - ref.heldout[n][ir] for n in ours.heldout}
     a = np.abs(rel["train/loss"])
@@ -490,7 +497,8 @@ def check_gates(clean: dict[int, dict], replays: dict[int, dict], fault: dict | 
     """Each gate: its limit, what the run shows, and whether it holds. `replays`: OLMo-core's resume of each stage."""
     train = max(g["summary"]["train_loss_rel_max"] for g in clean.values())
     held = max(v for g in clean.values() for v in g["summary"]["heldout_max"].values())
-    out = {"train_loss_rel": {"limit": GATES["train_loss_rel"], "seen": train, "holds": train <= GATES["train_loss_rel"]},
+    out = {"train_loss_rel": {"limit": GATES["train_loss_rel"], "seen": train,
+                              "holds": train <= GATES["train_loss_rel"]},
            "heldout": {"limit": GATES["heldout"], "seen": held, "holds": held <= GATES["heldout"]}}
     # A skip decision the sides disagree on is OLMo-core's resume when its resumed run disagrees with its own
     # uninterrupted one at that very step: its spike guard's history is not checkpointed, ours is.
@@ -529,7 +537,8 @@ def gap_table(clean: dict[int, dict], fault: dict | None) -> str:
                 "gnorm max": f"{s['grad_norm_rel_max']:.1e}",
                 "skips": (f"{len(s['skipped']['ours'])} / {len(s['skipped']['olmo_core'])}"
                           + (f", first apart {s['skip_disagreements'][0]}" if s["skip_disagreements"] else "")),
-                **{f"{n} max/final": f"{s['heldout_max'][n]:.2g} / {s['heldout_final'][n]:+.2g}" for n in s["heldout_max"]},
+                **{f"{n} max/final": f"{s['heldout_max'][n]:.2g} / {s['heldout_final'][n]:+.2g}"
+                   for n in s["heldout_max"]},
             })
     columns = [("run", "run"), ("stage", "stage"), ("max", "train rel gap: max (same updates)"), ("final", "final"),
                ("p50/p99", "p50 / p99 (same updates)"), ("last quarter", "train gap, last quarter (nats)"),
@@ -692,7 +701,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else out / "work"
     if work.exists() and any(work.iterdir()):
         p.error(f"--work {work} is not empty; give a new directory (or delete it)")
-    return run(plan, out, work, fault=not args.no_fault, max_jobs=args.jobs, timeout_s=args.timeout)
+    try:
+        return run(plan, out, work, fault=not args.no_fault, max_jobs=args.jobs, timeout_s=args.timeout)
+    except ValueError as e:  # the data cannot fill the plan
+        print(f"error: {e}", file=sys.stderr)
+        return exits.BAD_INPUT
+    except RuntimeError as e:  # a side failed or ran past --timeout; its log's end is in the message
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeout_s: float) -> int:
@@ -740,7 +756,8 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
     for stage, spec in ((1, spec1), (2, spec2)):
         jobs.append(Job(f"olmo-core-stage{stage}", [python, str(BENCH / "reference_olmo_core.py"), "train", "--spec",
                                                      str(side / f"stage{stage}.json")],
-                        Path(spec["metrics"]), work / "logs" / f"olmo-core-stage{stage}.log", kill_at=plan.kill_at(stage),
+                        Path(spec["metrics"]), work / "logs" / f"olmo-core-stage{stage}.log",
+                        kill_at=plan.kill_at(stage),
                         after=("olmo-core-stage1",) if stage == 2 else ()))
     order = {"ours-stage1": 0, "olmo-core-stage1": 1, "ours-fault-stage1": 2, "ours-stage2": 3, "olmo-core-stage2": 4,
              "ours-fault-stage2": 5}
@@ -785,7 +802,8 @@ def report(work: Path, out: Path) -> int:
     fault_report = None
     if fault:
         fault_report = {"shards": plan.shards,
-                        "gaps": {stage: gaps(sides["ours-fault"][stage], sides["olmo-core"][stage]) for stage in (1, 2)},
+                        "gaps": {stage: gaps(sides["ours-fault"][stage], sides["olmo-core"][stage])
+                                 for stage in (1, 2)},
                         "verdicts": verdicts["fault"]}
     gates = check_gates(clean, {stage: sides["olmo-core"][stage].replayed for stage in (1, 2)}, fault_report)
     png = plot(sides, clean, fault_report, out / "reference_run.png")
