@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="processes at once (each side of each stage is one)")
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="give up after this many seconds")
     p.add_argument("--out", default=str(OUT), help="directory for reference_run.json and reference_run.png")
-    p.add_argument("--work", default=None, help="working directory (runs, checkpoints, logs; default: --out/work)")
+    p.add_argument("--work", default=str(OUT / "work"), help="working directory, empty or new (runs, checkpoints, logs)")
     args = p.parse_args(argv)
     plan = Plan(steps=args.steps, stage2_steps=args.stage2_steps, eval_every=args.eval_every,
                 heldout_docs=args.heldout_docs)
@@ -698,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(plan.steps, plan.stage2_steps) < 8:
         p.error("--steps and --stage2-steps must be at least 8 (a checkpoint, then the kill, then more steps)")
     out = Path(args.out)
-    work = Path(args.work) if args.work else out / "work"
+    work = Path(args.work)
     if work.exists() and any(work.iterdir()):
         p.error(f"--work {work} is not empty; give a new directory (or delete it)")
     try:

@@ -123,12 +123,24 @@ def test_gates_read_the_steps_both_sides_updated_alike(harness):
     assert not run.check_gates({2: g}, {2: {"first_differing_step": None}}, None)["skips"]["holds"]
 
 
+def test_bad_input_is_one_sentence_and_exit_2(harness, tmp_path, capsys):
+    run, _ = harness
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "left").write_text("")
+    for args, says in ((["--heldout-docs", "12"], "multiple of the global batch"),
+                       (["--steps", "4"], "at least 8"),
+                       (["--work", str(tmp_path / "work")], "is not empty")):
+        with pytest.raises(SystemExit) as e:
+            run.main([*args, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~10 min on 2 busy cores: eight processes, each compiling or building its side
 def test_the_harness_runs_both_sides_both_stages_with_kills_and_the_fault(harness, tmp_path, capsys):
     run, _ = harness
     out = tmp_path / "out"
     code = run.main(["--steps", "48", "--stage2-steps", "24", "--eval-every", "8", "--heldout-docs", "16",
-                     "--out", str(out)])
+                     "--out", str(out), "--work", str(tmp_path / "work")])
     printed = capsys.readouterr().out
     report = json.loads((out / "reference_run.json").read_text())
     for side in ("ours", "olmo-core"):
