@@ -1,0 +1,157 @@
+"""bench/reference_run.py, the reproduction in miniature beside OLMo-core's own Trainer.
+
+Default: the pieces whose mistakes the long run would hide, each against AI2's or grain's own code: the fault reads
+what grain's IndexSampler gives a loader that does not shard; OLMo-core's LM evaluator number times the harness's
+scale is the mean over predictions our evaluator reports; a resume's replayed steps are found and compared.
+Slow: the whole harness at a tiny size (both sides, both stages, the kills and resumes, the fault rerun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo3eqx.config import DataConfig
+from olmo3eqx.data import build_train_iterator
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import reference_fault
+    import reference_run
+
+    return reference_run, reference_fault
+
+
+def test_fault_reads_what_grain_gives_a_sharded_sampler_under_an_unsharded_loader(harness, tmp_path):
+    """Each simulated process reads its own records in the order grain's IndexSampler (built with ShardOptions, read
+    at every position as a NoSharding loader reads it) hands out record keys: each record `shards` times in a row."""
+    from grain.samplers import IndexSampler
+    from grain.sharding import ShardOptions
+
+    _, fault = harness
+    seq, batch, shards, steps = 4, 8, 4, 24
+    path = tmp_path / "tokens.npy"
+    np.arange(seq * 16 * batch, dtype=np.uint16).tofile(path)  # 16 global batches of distinct instances
+    cfg = DataConfig(paths=(str(path),), order="olmo-core", seed=1, seq_len=seq, global_batch=batch,
+                     token_dtype="uint16")
+    inner = build_train_iterator(cfg, seq_len=seq, global_batch=batch, seed=1, shard_index=0, shard_count=1,
+                                 vocab_size=2**16, index_dir=tmp_path / "order")
+    faulty = fault.DoubleSharded(inner, shards)
+    local = batch // shards
+    rows = np.stack([faulty.ids(r) for r in range(steps)]).reshape(steps, shards, local)
+    for s in range(shards):
+        # The process's own records in its correct order (sharded once): its slice of each row of the global order.
+        own = np.concatenate([inner.order(r)[s * local:(s + 1) * local] for r in range(steps)])
+        sampler = IndexSampler(num_records=own.size, shard_options=ShardOptions(s, shards), shuffle=False,
+                               num_epochs=1)
+        start = sampler[0].record_key  # its first record: grain shards into contiguous pieces
+        keys = [sampler[i].record_key - start for i in range(steps * local)]  # a NoSharding loader reads every i
+        assert rows[:, s].reshape(-1).tolist() == own[keys].tolist()
+    _, counts = np.unique(rows, return_counts=True)
+    assert np.all(counts == shards)  # every instance read is read `shards` times, within a few steps
+    batches = [next(faulty)["index"] for _ in range(3)]
+    assert faulty.get_state()["batches_consumed"] == 3 and np.array_equal(batches[2], faulty.ids(2))
+
+
+def test_olmo_core_heldout_number_times_the_scale_is_the_mean_over_predictions(harness):
+    """OLMo-core's LMEvaluator counts every real token of a document, the last one (no label, loss 0) too; the
+    harness's scale turns its number into the mean over the n - 1 predictions that our evaluator reports."""
+    torch = pytest.importorskip("torch")
+    from olmo_core.eval.lm_evaluator import LMEvaluator
+
+    run, _ = harness
+    plan = run.Plan(seq_len=16, heldout_docs=8)
+    rng = np.random.default_rng(0)
+    ce = rng.uniform(0.5, 4.0, (plan.heldout_docs, plan.seq_len)).astype(np.float32)
+    ce[:, -1] = 0.0  # the last position's label is -100: F.cross_entropy gives 0 there
+    evaluator = LMEvaluator(name="lm", batches=[], labels=["code"], device=torch.device("cpu"))
+    evaluator.update_metrics({"metadata": [{"label": "code"}] * plan.heldout_docs,
+                              "label_mask": torch.ones(plan.heldout_docs, plan.seq_len, dtype=torch.bool)},
+                             torch.from_numpy(ce), None)
+    theirs = float(evaluator.compute_metrics()["code/CE loss"])
+    ours = ce[:, :-1].astype(np.float64).mean()
+    docs = run.heldout_documents([bytes(rng.integers(0, 256, 4000).astype(np.uint8))], plan)
+    assert docs.size == plan.heldout_docs * plan.seq_len
+    assert np.all(docs.reshape(plan.heldout_docs, plan.seq_len)[:, -1] == run.EOS)  # every document is full length
+    assert theirs * run.olmo_core_heldout_scale(plan) == pytest.approx(ours, rel=1e-6)
+
+
+def test_a_resume_s_replayed_steps_are_found_and_compared(harness):
+    run, _ = harness
+    before = [{"step": s, "train/loss": 5.0 - s / 10} for s in range(1, 8)]  # logged up to step 7, then killed
+    after = [{"step": 5, "eval/code/loss": 4.5}] + [{"step": s, "train/loss": 5.0 - s / 10} for s in range(5, 11)]
+    after[3]["train/loss"] += 1e-3  # step 7's replay differs
+    r = run.replay(before + after, killed_at_line=len(before))
+    assert r == {"killed_after_step": 7, "resumed_from_step": 4, "steps_replayed": 3,
+                 "max_abs_loss_diff": pytest.approx(1e-3), "first_differing_step": 7}
+    c = run.curves(before + after, 10, ["code"], len(before))
+    assert c.train["train/loss"][6] == pytest.approx(5.0 - 0.7 + 1e-3)  # the last record of a step wins
+    assert c.eval_steps.tolist() == [5]
+    with pytest.raises(ValueError, match="2 training steps have no record"):
+        run.curves(before, 9, ["code"], None)
+
+
+def test_gates_read_the_steps_both_sides_updated_alike(harness):
+    """A skip decision the two sides disagree on ends the part of the run the gates read; it passes the skips gate only
+    where OLMo-core's resumed run disagreed with its own uninterrupted run at that step (its guard's history lost)."""
+    run, _ = harness
+    steps = np.arange(1, 11)
+
+    def side(loss, skipped, heldout):
+        train = {k: np.ones(10) for k in run.TRAIN} | {"train/loss": loss, "train/skipped": skipped}
+        return run.Curves(steps, train, np.array([0, 5, 10]), {"code": heldout})
+
+    ref_loss = np.linspace(3.0, 2.0, 10)
+    ours_loss = ref_loss * (1 + 1e-7)
+    ours_loss[6:] += 0.01  # from step 7 on: the weights differ after step 6's update
+    ref_skips = np.zeros(10)
+    ref_skips[5] = 1  # OLMo-core skipped step 6, ours did not
+    g = run.gaps(side(ours_loss, np.zeros(10), np.array([3.0, 2.5, 2.1])),
+                 side(ref_loss, ref_skips, np.array([3.0, 2.5 + 1e-7, 2.0])))
+    s = g["summary"]
+    assert s["skip_disagreements"] == [6] and s["same_updates_through"] == 6
+    assert s["train_loss_rel_max"] == pytest.approx(1e-7, rel=1e-3) and s["train_loss_rel_max_all"] > 3e-3
+    assert s["heldout_max"]["code"] == pytest.approx(1e-7, abs=1e-9)  # the evaluation at step 10 is left out
+    explained = run.check_gates({2: g}, {2: {"first_differing_step": 6}}, None)
+    assert all(gate["holds"] for gate in explained.values())
+    assert not run.check_gates({2: g}, {2: {"first_differing_step": None}}, None)["skips"]["holds"]
+
+
+def test_bad_input_is_one_sentence_and_exit_2(harness, tmp_path, capsys):
+    run, _ = harness
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "left").write_text("")
+    for args, says in ((["--heldout-docs", "12"], "multiple of the global batch"),
+                       (["--steps", "4"], "at least 8"),
+                       (["--work", str(tmp_path / "work")], "is not empty")):
+        with pytest.raises(SystemExit) as e:
+            run.main([*args, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~10 min on 2 busy cores: eight processes, each compiling or building its side
+def test_the_harness_runs_both_sides_both_stages_with_kills_and_the_fault(harness, tmp_path, capsys):
+    run, _ = harness
+    out = tmp_path / "out"
+    code = run.main(["--steps", "48", "--stage2-steps", "24", "--eval-every", "8", "--heldout-docs", "16",
+                     "--out", str(out), "--work", str(tmp_path / "work")])
+    printed = capsys.readouterr().out
+    report = json.loads((out / "reference_run.json").read_text())
+    for side in ("ours", "olmo-core"):
+        for stage in ("1", "2"):
+            r = report["resumes"][side][stage]
+            assert r["steps_replayed"] >= 1 and r["max_abs_loss_diff"] == 0.0, (side, stage, r)
+    for stage in ("1", "2"):
+        s = report["clean"][stage]["summary"]
+        assert s["lr_rel_max"] < 1e-6 and s["skipped"]["ours"] == s["skipped"]["olmo_core"]
+        assert s["train_loss_rel_max"] <= run.GATES["train_loss_rel"]
+        assert report["verdicts"]["clean"][stage]["flagged"] is None
+    assert all(report["gates"][g]["holds"] for g in ("train_loss_rel", "heldout", "skips"))
+    assert code == (0 if all(g["holds"] for g in report["gates"].values()) else 1)
+    assert "gate train_loss_rel: holds" in printed and (out / "reference_run.png").stat().st_size > 50_000
