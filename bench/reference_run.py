@@ -6,9 +6,9 @@ from each side's own checkpoint, curves overlaid, each side killed and resumed, 
     python bench/reference_run.py --out docs/reproduction            # the run the docs show
 
 Everything runs as a user would run it, each side in its own processes (up to --jobs at a time):
-1. data: this interpreter's standard library, byte-tokenized (the default corpus's documents and held-out split):
+1. data: the default corpus (CPython 3.11.7's standard library, byte-tokenized; its documents and held-out split):
    stage 1's mix is code, exactly one epoch of the stage's batches; stage 2's mix adds prose (the language
-   reference of pydoc_data) to unseen code; two held-out sets, code and prose, one document of seq_len tokens each.
+   reference of its pydoc_data) to unseen code; two held-out sets, code and prose, one document of seq_len tokens each.
 2. init: OLMo-core builds and initialises its olmo3_14M shape (bench/reference_olmo_core.py init) and exports it
    with save_hf_model; `convert.py hf-to-orbax` converts it: both sides start from the same weights.
 3. stage 1: `python train.py --config ours-stage1.yaml` and OLMo-core's Trainer (reference_olmo_core.py train), AI2's
@@ -133,17 +133,22 @@ class Data:
 
 def documents() -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
     """(training code, held-out code, training prose, held-out prose): the default corpus's standard-library files
-    (its held-out split kept), the language reference taken out of them and split into its topics."""
-    from pydoc_data.topics import topics
+    (read from the archive the package ships, its held-out split kept), the language reference taken out of them
+    and split into its topics."""
+    import runpy
+    import tempfile
 
-    from olmo3eqx.data.corpus import HELDOUT_FRACTION, stdlib_pieces
+    from olmo3eqx.data.corpus import HELDOUT_FRACTION, extract_text
     from olmo3eqx.data.prepare import is_heldout
 
-    code, heldout_code = [], []
-    for piece in stdlib_pieces():
-        if piece.doc_id == PROSE_SOURCE:
-            continue
-        (heldout_code if is_heldout(piece.doc_id, HELDOUT_FRACTION) else code).append(Path(piece.path).read_bytes())
+    code, heldout_code, topics = [], [], {}
+    with tempfile.TemporaryDirectory() as text:
+        for piece in extract_text(text):
+            if piece.doc_id == PROSE_SOURCE:
+                topics = runpy.run_path(piece.path)["topics"]
+            else:
+                is_out = is_heldout(piece.doc_id, HELDOUT_FRACTION)
+                (heldout_code if is_out else code).append(Path(piece.path).read_bytes())
     names = sorted(topics)
     prose = [topics[n].encode() for i, n in enumerate(names) if i % PROSE_HELDOUT_EVERY]
     heldout_prose = [topics[n].encode() for i, n in enumerate(names) if not i % PROSE_HELDOUT_EVERY]

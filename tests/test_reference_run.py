@@ -123,6 +123,29 @@ def test_gates_read_the_steps_both_sides_updated_alike(harness):
     assert not run.check_gates({2: g}, {2: {"first_differing_step": None}}, None)["skips"]["holds"]
 
 
+def test_data_is_the_default_corpus_split_into_the_stages_mixes_and_held_out_sets(harness, tmp_path):
+    """The data step reads the archive the package ships (it once read a function the corpus no longer has, and
+    only the slow end-to-end run and CI's reference run found out)."""
+    run, _ = harness
+    from olmo3eqx.data.corpus import HELDOUT_FRACTION
+    from olmo3eqx.data.prepare import is_heldout
+
+    code, heldout_code, prose, heldout_prose = run.documents()
+    assert len(code) + len(heldout_code) == 733 and len(heldout_code) > 0  # 734 files less the language reference
+    assert is_heldout("pydoc_data/topics.py", 1.0) and HELDOUT_FRACTION < 1
+    assert len(prose) > len(heldout_prose) > 0
+    plan = run.Plan(steps=8, stage2_steps=8, heldout_docs=16)
+    data = run.prepare_data(plan, tmp_path)
+    batch = plan.seq_len * plan.global_batch
+    for stage in (1, 2):
+        sizes = [Path(f).stat().st_size // np.dtype(run.TOKEN_DTYPE).itemsize for _, f in data.files[stage]]
+        assert sum(sizes) == 8 * batch, (stage, sizes)
+        assert data.mixes[stage].read_text().count("{TOKENIZER}") == len(sizes)
+    for name in run.HELDOUT_SETS:
+        held = np.fromfile(data.heldout[name], run.TOKEN_DTYPE).reshape(16, plan.seq_len)
+        assert (held[:, -1] == run.EOS).all() and (held[:, :-1] != run.EOS).all()
+
+
 def test_bad_input_is_one_sentence_and_exit_2(harness, tmp_path, capsys):
     run, _ = harness
     (tmp_path / "work").mkdir()
