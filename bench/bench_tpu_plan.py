@@ -91,7 +91,7 @@ def compile_cell(base, topology: str, heads: str, remat: str, tensor: str, block
         "provenance": common.provenance(),
         "memory": report.memory, "hbm": report.hbm, "fits": report.fits, "out_of_memory": report.out_of_memory,
         "compile_s": report.compile_s, "wall_s": time.perf_counter() - start, "device_kind": report.device_kind,
-        "per_device_batch": plan.per_device_batch, "accum": plan.accum_steps,
+        "per_device_batch": plan.per_device_batch, "accum": plan.accum_steps, "xla_flops": report.flops,
         "prediction": None if p is None else {
             "seconds": p.seconds, "mfu": p.mfu, "model_flops": p.model_flops, "maxtext_flops": p.maxtext_flops,
             "pieces": [dataclasses.asdict(x) for x in p.pieces], "attention": p.attention, "add_back": p.add_back,
