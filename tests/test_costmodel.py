@@ -186,6 +186,8 @@ def test_prediction_arithmetic():
     assert p.mfu == pytest.approx(1 / 2.45)
     text = "\n".join(p.lines())
     assert "2.450 s per step" in text and "not a measurement" in text and "MFU 40.8%" in text
+    count, low, high = costmodel.PUBLISHED
+    assert f"against {count} published runs of 7-8B models this model predicted {low:.2f} to {high:.2f}" in text
     assert "group 250.00 ms x 7" in text
 
 
@@ -246,6 +248,7 @@ def compile_on(cfg: TrainConfig, topology: str):
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 @pytest.mark.parametrize("tensor", [1, 2])
 def test_a_program_without_loops_is_the_compilers_figure(tensor):
     """Layers unrolled, one loss chunk, no accumulation, XLA's attention: nothing to add; the prediction is
@@ -285,6 +288,7 @@ def test_a_layer_scan_predicts_what_the_unrolled_program_costs(monkeypatch, laye
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 def test_splash_counts_zero_and_uncosted_custom_calls_minus_one_second_each():
     """Splash compiled for the TPU (under the mesh, as the step runs it) is one `tpu_custom_call` per kernel, which
     the cost model counts as 0 s; the same kernel traced without the mesh runs in Pallas' interpret mode, whose
@@ -323,6 +327,7 @@ def test_splash_counts_zero_and_uncosted_custom_calls_minus_one_second_each():
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 def test_accumulation_predicts_what_one_micro_batch_of_all_rows_costs(monkeypatch):
     """4 rows per device as 2 micro-batches of 2 (an accumulation scan the compiler counts once) against the same 4
     rows in one micro-batch (no loop at all): the same work, so the same prediction within the efficiency the

@@ -49,6 +49,11 @@ UNCOSTED_LIBTPU = ("0.0.42.1",)
 added back only there (another libtpu may count those calls otherwise). `pytest -m tpu` checks it on the installed
 libtpu (tests/test_costmodel.py), and fails there until this tuple names the new version."""
 CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+PUBLISHED = (2, 1.08, 1.35)
+"""(measurements, lowest and highest predicted / measured throughput) of the published runs of dense 7-8B models
+that bench/bench_tpu_validate.py predicts at the configurations their sources state (docs/results/
+tpu_validation.json, which tests/test_tpu_results.py keeps this equal to): how far a prediction was from real steps,
+said beside every prediction."""
 
 
 class CostModelError(ValueError):
@@ -173,6 +178,10 @@ class Prediction:
                + f" ({self.maxtext_flops / s / 1e12:.1f} TFLOP/s"
                + (f", {100 * self.maxtext_flops / s / self.peak:.1f}%" if self.peak else "")
                + " counting every layer as global, as MaxText does)"]
+        count, low, high = PUBLISHED
+        out.append(f"  against {count} published runs of 7-8B models this model predicted {low:.2f} to {high:.2f} "
+                   f"times the throughput they measured" + (": read it as an upper bound" if low > 1 else "")
+                   + " (docs/tpu-gpu.md#against-published-measurements)")
         out.append("  made of: " + "; ".join(f"{p.name} {1e3 * p.seconds:.2f} ms x {p.times:g}" for p in self.pieces)
                    + f"; attention counted as {self.attention}; loop bodies compiled alone in {self.compile_s:.0f} s"
                    + (f"; {self.add_back}" if self.add_back else ""))
