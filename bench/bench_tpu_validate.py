@@ -297,9 +297,9 @@ def markdown(saved: dict) -> str:
     if found:
         low, high = spread(saved)
         lines.append("")
-        lines.append(f"{len(found)} published measurements; predicted / measured from {low:.2f} to {high:.2f}: two "
-                     f"predictions are {100 * model_error(saved):.0f}% apart before a difference between them is "
-                     f"more than the model's measured error.")
+        lines.append(f"{len(found)} published measurements predicted; predicted / measured from {low:.2f} to "
+                     f"{high:.2f}: two predictions differ by more than the model's measured error only when they are "
+                     f"more than {100 * model_error(saved):.0f}% apart.")
     return "\n".join(lines)
 
 
