@@ -5,10 +5,10 @@ shapes of the recipe (32 x 128 and 16 x 256: same parameters and FLOPs). Per com
 HBM (fits or not), XLA's FLOPs per device-step, the compile time. Needs libtpu (pip install -e ".[tpu]").
 
     python bench/bench_tpu_memory.py [--topologies tpu7x:4x4x4,v5p:8x8x2] [--remat none,dots,dots_no_batch,full]
-                                     [--heads 32x128,16x256] [--json bench/results/tpu_memory.json]
+                                     [--heads 32x128,16x256] [--json docs/results/tpu_memory.json]
 
-Each compile takes minutes on a 2-core host; results are merged into the JSON as they come, so a partial run keeps
-what it measured. Prints a table last.
+Each compile takes minutes on a 2-core host; results are merged into the JSON as they come (each cell with its
+command, date and jax/libtpu versions), so a partial run keeps what it measured. Prints a table last.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remat", default="none,dots,dots_no_batch,full")
     ap.add_argument("--heads", default="32x128,16x256")
     ap.add_argument("--config", default=None, help="a YAML preset instead of the 7B stage 1 (its own head shape)")
-    ap.add_argument("--json", default=str(common.RESULTS / "tpu_memory.json"))
+    ap.add_argument("--json", default=str(common.TRACKED / "tpu_memory.json"))
     args = ap.parse_args(argv)
     path = Path(args.json)
     saved = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 seq = cfg.data.seq_len
                 tokens = cfg.data.global_batch * seq / report.devices
                 saved[f"{topology}/{heads}/{remat}"] = {
-                    **dataclasses.asdict(report), "fits": report.fits, "wall_s": time.perf_counter() - start,
+                    "provenance": common.provenance(), **dataclasses.asdict(report), "fits": report.fits,
+                    "wall_s": time.perf_counter() - start,
                     "flops_py_per_device_step": flops.train_flops_per_token(cfg.model, seq) * tokens,
                     "flops_py_attention_per_device_step": 3 * flops.attention_flops_per_token(cfg.model, seq) * tokens,
                     "params": flops.param_count(cfg.model), "tokens_per_device": tokens}

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
+TRACKED = REPO / "docs" / "results"
+"""Results the docs' tables are made from, kept in git (RESULTS is ignored): the TPU plans, memory and validation."""
 TEST_ONLY_FLAG = "--xla_backend_optimization_level=0"
 
 
@@ -27,6 +34,23 @@ def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "jax": jax.__version__, "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
             "load_average": os.getloadavg()}
+
+
+def provenance() -> dict:
+    """What a stored result needs to be redone and judged: the command that made it, when, and the versions of jax,
+    jaxlib and libtpu (None where not installed)."""
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return {"command": " ".join(["python", shlex.quote(str(shown)), *map(shlex.quote, sys.argv[1:])]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": {name: version(name) for name in ("jax", "jaxlib", "libtpu")}}
 
 
 def median(xs: list[float]) -> float:

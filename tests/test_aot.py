@@ -167,6 +167,7 @@ def number_after(text: str, label: str) -> float:
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 def test_tiny_dry_run_for_a_tpu_topology(capsys):
     """The default config compiled for 4 TPU v5e chips: splash attention, memory against the HBM, and XLA's FLOPs
     equal to flops.py's count less the attention (the tiny step has no loop; splash kernels count 0 in XLA)."""
@@ -185,6 +186,7 @@ def test_tiny_dry_run_for_a_tpu_topology(capsys):
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 def test_out_of_hbm_is_reported_with_the_compilers_numbers():
     """The tiny model at 1M tokens per v5e chip (16 GiB) without remat: XLA:TPU refuses; the report says so. (At
     128k it compiled to 14.26 GB and at 256k to 16.57 GB: both fit.)"""
@@ -231,6 +233,7 @@ def test_splash_blocks_over_the_scoped_vmem_are_reported_and_the_default_fits():
 
 @needs_libtpu
 @pytest.mark.tpu
+@pytest.mark.tpu_small
 def test_tpu_flags_libtpu_does_not_know_are_one_sentence(capsys):
     for flags, said in (("--xla_tpu_no_such_flag=true", "No such compile option: 'xla_tpu_no_such_flag'"),
                         ("--xla_tpu_enable_sparse_core_collective_offload_all_gather=maybe", "Failed to parse 'maybe'")):
