@@ -50,11 +50,12 @@ from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx import exits, storage
-from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
+from olmo3eqx.config import ModelConfig, from_dict, to_dict
+from olmo3eqx.errors import CheckpointLoadError, CheckpointOutOfMemory, ConfigError, StorageError
 from olmo3eqx.hf.weights import aligned_empty
 from olmo3eqx.model import DTYPE, OLMo3, abstract_model
 from olmo3eqx.sharding import is_leaf_like, model_shardings
-from olmo3eqx.storage import StorageError, StorePath
+from olmo3eqx.storage import StorePath
 
 STATE = "state"
 """The item holding the train state (or a converted model) of every checkpoint step."""
@@ -332,10 +333,6 @@ def load_any(ckpt: str, mesh, dtype: str | None = None) -> Loaded:
 TRAIN_ITEMS = (STATE, "data", "config")
 
 
-class CheckpointLoadError(exits.CommandError, RuntimeError):
-    """Every checkpoint in a run directory failed to load: never start from scratch over them."""
-
-
 TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
 """How tensorstore's errors (which orbax raises as ValueError) carry the OS error of a failed write."""
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
@@ -392,13 +389,6 @@ STATUS_OUTCOMES = {"DATA_LOSS": "corrupt", "OUT_OF_RANGE": "corrupt", "FAILED_PR
 does not match, a chunk that does not decode, a part missing), or the store failed or refused."""
 OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 """XLA's and tensorstore's words for an allocation that failed (XLA: RESOURCE_EXHAUSTED: Out of memory ...)."""
-
-
-class CheckpointOutOfMemory(exits.CommandError):
-    """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept. A relaunch on the
-    same devices would run out the same way: bad input (more devices, or more memory)."""
-
-    code = exits.BAD_INPUT
 
 
 def restore_failure(e: BaseException) -> tuple[str, BaseException]:

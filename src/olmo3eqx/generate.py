@@ -29,13 +29,10 @@ import numpy as np
 import tyro
 
 from olmo3eqx import exits, jaxenv
+from olmo3eqx.errors import GenerationError
 
 MIN_BUCKET = 16
 """Prompts are left-padded to a power of two at least this long, so a stream of prompts compiles few shapes."""
-
-
-class GenerationError(exits.CommandError, ValueError):
-    """Bad input to generation (an empty prompt, an id outside the vocabulary, too long, no tokenizer)."""
 
 
 @dataclass

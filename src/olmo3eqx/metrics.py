@@ -34,7 +34,8 @@ import jax
 import numpy as np
 
 from olmo3eqx import flops, storage
-from olmo3eqx.config import ConfigError, LogConfig
+from olmo3eqx.config import LogConfig
+from olmo3eqx.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo3eqx import exits, storage
-from olmo3eqx.config import ConfigError
+from olmo3eqx.errors import ConfigError
 from olmo3eqx.metrics import read_metrics
 
 TRAIN = "train/loss"

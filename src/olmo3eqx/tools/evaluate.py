@@ -73,7 +73,8 @@ class Args:
 
 def run_config(stored: dict | None):
     """The stored TrainConfig, or None when the checkpoint holds only a model config."""
-    from olmo3eqx.config import ConfigError, TrainConfig, from_dict
+    from olmo3eqx.config import TrainConfig, from_dict
+    from olmo3eqx.errors import ConfigError
 
     if not stored or set(stored) <= {"model"}:
         return None
@@ -103,7 +104,7 @@ def setup(args: Args) -> Setup:
     from olmo3eqx.config import DataConfig, EvalConfig, MeshConfig
     from olmo3eqx.evaluator import build_evaluator
     from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
-    from olmo3eqx.tasks import TaskError
+    from olmo3eqx.errors import TaskError
 
     mesh = make_mesh(MeshConfig())
     model, model_cfg, stored, hf_tokenizer, step, run_dir = load_any(args.ckpt, mesh, args.dtype)
@@ -191,7 +192,7 @@ def evaluate_all(args: Args) -> None:
     import jax
 
     from olmo3eqx import checkpoint
-    from olmo3eqx.config import ConfigError
+    from olmo3eqx.errors import ConfigError
 
     root, steps = checkpoint.complete_steps(args.ckpt)
     if args.out:
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     from olmo3eqx import distributed
-    from olmo3eqx.config import ConfigError, DistConfig
+    from olmo3eqx.config import DistConfig
+    from olmo3eqx.errors import ConfigError
 
     args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
     distributed.initialize(DistConfig())  # several processes score together (see the module doc)
