@@ -33,6 +33,10 @@ from typing import Literal
 from olmo3eqx import exits
 from olmo3eqx.storage import StorePath
 
+DESCRIPTION = ("Evaluate a checkpoint, or every kept checkpoint of a run, on "
+               "held-out sets and downstream tasks: prints a table, writes JSON.")
+"""--help's description (the module doc's first line is not a sentence on its own)."""
+
 DEFAULT_SEQ_LEN = 2048
 """Model length for checkpoints that store no data.seq_len (capped by max_position_embeddings)."""
 
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from olmo3eqx.config import DistConfig
     from olmo3eqx.errors import ConfigError
 
-    args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
+    args = tyro.cli(Args, args=argv, description=DESCRIPTION)
     distributed.initialize(DistConfig())  # several processes score together (see the module doc)
     if args.list_tasks:
         list_all_tasks()
