@@ -270,7 +270,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     if primary:
         storage.makedirs(run_dir)
         dump_yaml(cfg, storage.join(run_dir, "config.yaml"))
-    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=config_dict)
+    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=config_dict,
+                                mfu_label=flops.mfu_label(jax.devices()[0]))
     log.print(distributed.describe())
     log.print(hostmem.describe())
     if storage.is_url(run_dir):
