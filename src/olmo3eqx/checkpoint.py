@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import equinox as eqx
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -182,7 +183,9 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
 
 def saved_parts(root: StorePath, step: int) -> list[str]:
     """The top-level parts of a step's saved state (a training checkpoint: every TrainState field)."""
-    return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
+    # The item's handler reads the tree's own _METADATA; a Checkpointer would also look for a step-level
+    # _CHECKPOINT_METADATA inside the item directory, which is never there, and log an absl warning every time.
+    return list(ocp.PyTreeCheckpointHandler().metadata(epath.Path(str(root)) / str(step) / STATE).tree)
 
 
 def restore_parts(root: StorePath, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
