@@ -14,7 +14,9 @@ import pytest
 from olmo3eqx import decode as dec
 from olmo3eqx import hf
 from olmo3eqx.config import ModelConfig
-from olmo3eqx.generate import GenerationError, generate, main
+from olmo3eqx.errors import GenerationError
+from olmo3eqx.generate import generate
+from olmo3eqx.tools.generate import main
 from olmo3eqx.model import init_model
 
 torch = pytest.importorskip("torch")

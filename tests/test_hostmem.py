@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from olmo3eqx import jaxenv
 from olmo3eqx.tools import hostmem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,12 +97,13 @@ def test_loaded_allocator_reads_the_process_maps(tmp_path):
 
 
 def test_accelerator_detection_follows_jax_platforms_first():
-    assert hostmem.has_accelerator({"JAX_PLATFORMS": "cpu"}) is False
-    assert hostmem.has_accelerator({"JAX_PLATFORMS": "cuda,cpu"}) is True
+    assert jaxenv.has_accelerator({"JAX_PLATFORMS": "cpu"}) is False
+    assert jaxenv.has_accelerator({"JAX_PLATFORMS": "cuda,cpu"}) is True
 
 
 SCRIPT = """
 import ctypes, json, os, resource, sys, threading
+from olmo3eqx import jaxenv
 from olmo3eqx.tools import hostmem
 hostmem.reexec_with_caching_malloc()
 

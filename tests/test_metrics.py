@@ -118,3 +118,17 @@ def test_fetch_and_pending_metrics():
     assert pending.step == 3 and pending.result() == {"train/loss": 1.5, "train/tokens": 7}
     with pytest.raises(ValueError, match="scalars"):
         fetch({"x": jnp.ones(2)})
+
+
+def test_progress_bar_names_the_cpu_mfu_by_its_peak(tmp_path, capsys):
+    """On the CPU the peak is a measured matmul, not the hardware's: the bar says so (flops.mfu_label)."""
+    import jax
+
+    from olmo3eqx import flops
+
+    label = flops.mfu_label(jax.devices("cpu")[0])
+    assert label == "mfu_vs_matmul"
+    with MetricsLogger(tmp_path, LogConfig(tensorboard=False, progress=True), total_steps=10, mfu_label=label) as log:
+        log.log(10, {"train/loss": 2.0, "perf/mfu": 0.5})
+    err = capsys.readouterr().err
+    assert "mfu_vs_matmul=50.0%" in err and " mfu=" not in err

@@ -145,7 +145,7 @@ def test_the_commands_start_xla_with_the_speaking_flags():
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = []
-    for module, args in [("olmo3eqx.generate", ["--ckpt", "nowhere", "x"]),
+    for module, args in [("olmo3eqx.tools.generate", ["--ckpt", "nowhere", "x"]),
                          ("olmo3eqx.tools.evaluate", ["--list-tasks"])]:
         script = f"import os; from {module} import main; main({args!r}); print('XLA_FLAGS=' + os.environ['XLA_FLAGS'])"
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
@@ -200,13 +200,13 @@ def test_generate_on_two_processes_writes_what_one_process_writes(byte_ckpt, sto
     """Each process restores its own shards (a restore onto the first device fails on process 1, which holds none of
     it); process 0 alone writes, here to a bucket."""
     from olmo3eqx import storage
-    from olmo3eqx.generate import main
+    from olmo3eqx.tools.generate import main
 
     args = ["--ckpt", str(byte_ckpt / "ckpt"), "--tokenizer", "bytes", "--file", str(byte_ckpt / "prompts.jsonl"),
             "--max-new-tokens", "8", "--batch-size", "2"]  # float32: 4 devices and 8 split sums alike
     assert main([*args, "--out", str(tmp_path / "one.jsonl")]) == 0
     url = stores.url("gs", f"gen-{uuid.uuid4().hex[:6]}") + "/two.jsonl"
-    results = launch("olmo3eqx.generate", [*args, "--out", url], 2, tmp_path)
+    results = launch("olmo3eqx.tools.generate", [*args, "--out", url], 2, tmp_path)
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert results[0][2].count(" prompts") == 2 and " prompts" not in results[1][2]  # 3 prompts, 2 at a time
     assert storage.read_text(url) == (tmp_path / "one.jsonl").read_text()

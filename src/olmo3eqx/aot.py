@@ -20,7 +20,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from olmo3eqx.config import ConfigError, TrainConfig
+from olmo3eqx.config import TrainConfig
+from olmo3eqx.errors import ConfigError
 
 GIB = 1024**3
 HBM_GIB = (("tpu7", 94.75), ("v6 lite", 31.25), ("v5 lite", 15.75), ("tpu v5", 95.74), ("tpu v4", 15.25))

@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, Int
 
 from olmo3eqx import cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
-from olmo3eqx.flash import MASKED, PAD_SEGMENT, flash_attention, pallas_gpu_attention
+from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
 GLOBAL_BLOCKS = 4
@@ -200,7 +200,7 @@ def splash_attention(
     block_kv: int | None = None, segment_ids: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """The "splash" backend (see the module doc). The sequence is padded at the end to the blocks (padding is never
-    seen by a real query: causality; its segment is PAD_SEGMENT); q is scaled by 1/sqrt(dim) before the kernel,
+    seen by a real query: causality; its segment is BLOCK_PAD_SEGMENT); q is scaled by 1/sqrt(dim) before the kernel,
     which does not scale. Segment ids go to the kernel as SegmentIds(q, kv), ANDed with its static mask."""
     *lead, seq, heads, dim = q.shape
     padded, bq, bkv = splash_blocks(seq, block_q, block_kv, dim)
@@ -208,7 +208,7 @@ def splash_attention(
         pad = [(0, 0)] * len(lead) + [(0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
         if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=PAD_SEGMENT)
+            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=BLOCK_PAD_SEGMENT)
     q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
     interpret = target_device()[0] == "cpu"
 
@@ -303,7 +303,7 @@ def blocked_attention(
         pad = [(0, 0)] * nb + [(0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
         if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=PAD_SEGMENT)
+            segment_ids = jnp.pad(segment_ids, pad[:-2], constant_values=BLOCK_PAD_SEGMENT)
     # q: [*b, n*C, K*G, D] -> [*b, K, n, G*C, D]; k, v: [*b, T, K, D] -> [*b, K, T, D]
     b_axes = tuple(range(nb))
     qb = q.reshape(*lead, n, block, kv_heads, groups, dim).transpose(*b_axes, nb + 2, nb, nb + 3, nb + 1, nb + 4)

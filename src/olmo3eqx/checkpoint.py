@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import equinox as eqx
+from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -50,11 +51,12 @@ from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1 import partial as ocp_partial
 
 from olmo3eqx import exits, storage
-from olmo3eqx.config import ConfigError, ModelConfig, from_dict, to_dict
+from olmo3eqx.config import ModelConfig, from_dict, to_dict
+from olmo3eqx.errors import CheckpointLoadError, CheckpointOutOfMemory, ConfigError, StorageError
 from olmo3eqx.hf.weights import aligned_empty
 from olmo3eqx.model import DTYPE, OLMo3, abstract_model
 from olmo3eqx.sharding import is_leaf_like, model_shardings
-from olmo3eqx.storage import StorageError, StorePath
+from olmo3eqx.storage import StorePath
 
 STATE = "state"
 """The item holding the train state (or a converted model) of every checkpoint step."""
@@ -181,7 +183,9 @@ def model_config_from_dict(d: dict, where: str) -> ModelConfig:
 
 def saved_parts(root: StorePath, step: int) -> list[str]:
     """The top-level parts of a step's saved state (a training checkpoint: every TrainState field)."""
-    return list(ocp.PyTreeCheckpointer().metadata(root / str(step) / STATE).item_metadata.tree)
+    # The item's handler reads the tree's own _METADATA; a Checkpointer would also look for a step-level
+    # _CHECKPOINT_METADATA inside the item directory, which is never there, and log an absl warning every time.
+    return list(ocp.PyTreeCheckpointHandler().metadata(epath.Path(str(root)) / str(step) / STATE).tree)
 
 
 def restore_parts(root: StorePath, step: int, targets: dict[str, Any], restore_args=None) -> dict[str, Any]:
@@ -332,10 +336,6 @@ def load_any(ckpt: str, mesh, dtype: str | None = None) -> Loaded:
 TRAIN_ITEMS = (STATE, "data", "config")
 
 
-class CheckpointLoadError(exits.CommandError, RuntimeError):
-    """Every checkpoint in a run directory failed to load: never start from scratch over them."""
-
-
 TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
 """How tensorstore's errors (which orbax raises as ValueError) carry the OS error of a failed write."""
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
@@ -392,13 +392,6 @@ STATUS_OUTCOMES = {"DATA_LOSS": "corrupt", "OUT_OF_RANGE": "corrupt", "FAILED_PR
 does not match, a chunk that does not decode, a part missing), or the store failed or refused."""
 OUT_OF_MEMORY = re.compile(r"out of memory", re.IGNORECASE)
 """XLA's and tensorstore's words for an allocation that failed (XLA: RESOURCE_EXHAUSTED: Out of memory ...)."""
-
-
-class CheckpointOutOfMemory(exits.CommandError):
-    """Restoring a checkpoint ran out of device or host memory; the checkpoint is intact and kept. A relaunch on the
-    same devices would run out the same way: bad input (more devices, or more memory)."""
-
-    code = exits.BAD_INPUT
 
 
 def restore_failure(e: BaseException) -> tuple[str, BaseException]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from olmo3eqx import exits
+from olmo3eqx.errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -28,10 +28,6 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minim
                       "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp",
                       "save_qkv_proj", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded"]
 AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
-
-
-class ConfigError(exits.CommandError, ValueError):
-    """A configuration that contradicts itself or its input; the message names the field and the fix."""
 
 
 def check_choices(cfg: Any, section: str) -> None:

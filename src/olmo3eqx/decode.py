@@ -39,7 +39,7 @@ from olmo3eqx.attention import attention
 from olmo3eqx.config import SLIDING, ModelConfig
 from olmo3eqx.model import DTYPE, Block, OLMo3, RopeTable, cast_floating, document_positions, layer_period, rope_tables
 
-PAD_SEGMENT = 0
+LEFT_PAD_SEGMENT = 0
 """Segment id of left padding in the prefill (prompt tokens are 1)."""
 
 
@@ -114,7 +114,7 @@ def prefill(model: OLMo3, tokens: Int[Array, "batch seq"], pad: Int[Array, " bat
     cfg = model.cfg
     dtype = DTYPE[cfg.compute_dtype]
     batch, seq = tokens.shape
-    segment_ids = jnp.where(jnp.arange(seq)[None, :] >= pad[:, None], 1, PAD_SEGMENT).astype(jnp.int32)
+    segment_ids = jnp.where(jnp.arange(seq)[None, :] >= pad[:, None], 1, LEFT_PAD_SEGMENT).astype(jnp.int32)
     positions = document_positions(segment_ids)
     tables = {kind: table.at(positions) for kind, table in rope_tables(seq, cfg).items()}
     kinds = cfg.resolved_layer_types

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from olmo3eqx.config import ConfigError, DistConfig
+from olmo3eqx.config import DistConfig
+from olmo3eqx.errors import ConfigError
 
 # Variables whose presence means a cluster JAX can auto-detect (a multi-task SLURM step, an Open MPI launch,
 # a TPU pod worker, a Kubernetes JobSet).

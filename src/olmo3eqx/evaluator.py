@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, ModelConfig
+from olmo3eqx.config import DataConfig, EvalConfig, ModelConfig
+from olmo3eqx.errors import ConfigError
 from olmo3eqx.data.heldout import open_heldout
 from olmo3eqx.gen_tasks import GENERATIVE, GenerativeTask, model_generator, run_task
 from olmo3eqx.loss import candidate_logprobs, loss_sums, token_logprobs

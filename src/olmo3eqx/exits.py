@@ -30,7 +30,7 @@ PREEMPTED = 75
 
 class CommandError(Exception):
     """An error a command ends with as one sentence (its message) and the exit status `code`; the project's error
-    types derive from it (olmo3eqx.config.ConfigError, storage.StorageError, ...)."""
+    types derive from it (olmo3eqx.errors: ConfigError, StorageError, ...)."""
 
     code = BAD_INPUT
 

@@ -39,7 +39,7 @@ from jaxtyping import Array, Float, Int
 MASKED = -0.7 * float(np.finfo(np.float32).max)
 """Score of a masked key, for every backend that masks scores itself (attention.py imports it): finite (a row is
 never all -inf, so no NaN) and far below any real score."""
-PAD_SEGMENT = -1
+BLOCK_PAD_SEGMENT = -1
 """Segment id of the positions a backend pads the sequence with, for every backend (attention.py imports it): a
 segment of its own, so a padded query still sees itself (no all-masked row) and no real query sees padding."""
 DEFAULT_BLOCK = 256
@@ -224,7 +224,7 @@ def flash_attention(
         pad = [(0, 0), (0, padded - seq), (0, 0), (0, 0)]
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
         if seg is not None:
-            seg = jnp.pad(seg, pad[:2], constant_values=PAD_SEGMENT)
+            seg = jnp.pad(seg, pad[:2], constant_values=BLOCK_PAD_SEGMENT)
     nq, nk = padded // bq, padded // bk
     # q: [b, nq*Bq, K*G, D] -> [nq, b, K, G, Bq, D]; k, v: [b, nk*Bk, K, D] -> [nk, b, K, Bk, D]
     qb = q.reshape(batch, nq, bq, kv_heads, groups, dim).transpose(1, 0, 3, 4, 2, 5)
@@ -270,7 +270,7 @@ def pallas_gpu_attention(
     if padded != seq:
         q, k, v = (jnp.pad(x, [(0, 0), (0, padded - seq), (0, 0), (0, 0)]) for x in (q, k, v))
         seg = jnp.pad(jnp.zeros((batch, seq), jnp.int32) if seg is None else seg, [(0, 0), (0, padded - seq)],
-                      constant_values=PAD_SEGMENT)
+                      constant_values=BLOCK_PAD_SEGMENT)
     small = min(64, bq, bk)
     blocks = pallas.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=small, block_kv_dkv=small, block_q_dq=small,
                                block_kv_dq=small)

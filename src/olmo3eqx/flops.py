@@ -104,6 +104,12 @@ def cpu_peak_flops(cache_dir: str | os.PathLike = "~/.cache/olmo3eqx", n: int = 
     return flops if cached is None else max(flops, cached)
 
 
+def mfu_label(device) -> str:
+    """What the progress bar calls perf/mfu on `device`: 'mfu' over an accelerator's bf16 peak; on the CPU
+    'mfu_vs_matmul', since the peak there is the best fp32 2048^3 matmul this machine measured, not a hardware peak."""
+    return "mfu_vs_matmul" if device.platform == "cpu" else "mfu"
+
+
 def peak_flops(device) -> float | None:
     """Peak FLOP/s of one device: the bf16 table for accelerators, a measured fp32 peak for the CPU."""
     if device.platform == "cpu":

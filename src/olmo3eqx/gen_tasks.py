@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from olmo3eqx.tasks import TaskError
+from olmo3eqx.errors import TaskError
 
 STRICT = r"So the answer is (\-?[0-9\.\,]+)."
 FLEX = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"

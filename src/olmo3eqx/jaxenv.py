@@ -10,9 +10,10 @@ XLA's GPU performance flags. train.py calls `prepare` before anything imports ja
 from __future__ import annotations
 
 import glob
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
-from olmo3eqx.tools.hostmem import has_accelerator
+ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+"""Device files of NVIDIA GPUs, AMD GPUs and TPUs (accel on v4/v5e, vfio on v5p/v6e)."""
 
 GPU_XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",  # overlap collectives with compute
@@ -74,6 +75,15 @@ before its matmuls, and its default scheduler, ordering a program for concurrenc
 the first matmul: a second copy of the layers as temporaries (a decode step of a 7B-wide model of 2 layers: 0.33x
 its weights). The memory-minimising scheduler copies each weight just before its matmul (0.04x;
 bench/bench_speak_memory.py). XLA:CPU reads this one from XLA_FLAGS only (a compile option is ignored)."""
+
+
+
+def has_accelerator(env: Mapping[str, str]) -> bool:
+    """Whether JAX will run on an accelerator here: JAX_PLATFORMS when set, else the device files present."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p != "cpu" for p in platforms)
+    return any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
 
 
 def prepare_speaking(env: MutableMapping[str, str]) -> None:

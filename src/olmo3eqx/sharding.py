@@ -22,7 +22,8 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from olmo3eqx import optim
-from olmo3eqx.config import ConfigError, MeshConfig, TrainConfig
+from olmo3eqx.config import MeshConfig, TrainConfig
+from olmo3eqx.errors import ConfigError
 from olmo3eqx.state import TrainState, abstract_state, init_state
 
 AXES = ("data", "fsdp", "tensor")

@@ -116,7 +116,7 @@ def check_blocked_memory(cfg: TrainConfig, layout: Layout) -> None:
     (attention.blocked_score_bytes against what the device reports; hosts that report none, CPUs, are not checked):
     XLA would otherwise compile it and fail allocating (one 268 GiB buffer for a 1B at 8,192 tokens on an H200)."""
     from olmo3eqx.attention import blocked_score_bytes, resolve
-    from olmo3eqx.config import ConfigError
+    from olmo3eqx.errors import ConfigError
 
     m = cfg.model
     if resolve(m.attention_impl, DTYPE[m.compute_dtype], cfg.data.packing, cfg.data.seq_len) != "blocked":
@@ -159,7 +159,7 @@ _CHECKED: set = set()
 
 
 def check_tpu_flags(flags: tuple[tuple[str, str], ...], device) -> None:
-    from olmo3eqx.config import ConfigError
+    from olmo3eqx.errors import ConfigError
 
     if (flags, device.device_kind) in _CHECKED:
         return

@@ -45,8 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from etils import epath
 
-from olmo3eqx import exits
-from olmo3eqx.config import ConfigError
+from olmo3eqx.errors import ConfigError, StorageError
 
 WRITABLE = ("gs", "s3")
 """Schemes a run can write to (run.dir, convert.py's --out, checkpoints) and read from."""
@@ -66,14 +65,6 @@ READ_THREADS = 16
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 StorePath = Path | epath.Path
 """What `path` returns: a pathlib.Path for a local path, an etils.epath.Path for gs:// and s3://."""
-
-
-class StorageError(exits.CommandError, RuntimeError):
-    """A write to the run's storage failed (disk full, quota, I/O error), its free space cannot hold the next
-    checkpoint, a store stayed unreachable past the retries, or a read stayed short: the command stops with
-    exits.STORAGE; the committed checkpoints are intact."""
-
-    code = exits.STORAGE
 
 
 class UnsupportedPath(ConfigError):
@@ -393,7 +384,6 @@ def _warn_store(url: str, message: str) -> None:
             return
         _warned[key] = now
     print(message, file=sys.stderr, flush=True)
-
 
 
 def retrying(op: Callable[[], T], url: str, what: str = "reading") -> T:

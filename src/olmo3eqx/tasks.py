@@ -42,17 +42,13 @@ from jaxtyping import Float, Int
 
 from olmo3eqx import storage
 from olmo3eqx.data.prepare import decode_ids, encode_texts, tokenizer_info
-from olmo3eqx.data.source import DataError
+from olmo3eqx.errors import TaskError
 
 MIN_BUCKET = 16
 """Shortest padded row; buckets double from here up to the model length."""
 LOG_2_OF_E = 1.44269504089
 """olmo_eval's constant (metrics.py), used instead of 1/ln 2 so bpb agrees with AI2's to the last digit."""
 Metric = Literal["acc", "len_norm", "bpb"]
-
-
-class TaskError(DataError):
-    """A task that cannot be read or scored; the message names the task (or file and line) and the fix."""
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
                               backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
     if opts.target and not cfg.dry_run:
-        from olmo3eqx.config import ConfigError
+        from olmo3eqx.errors import ConfigError
 
         raise ConfigError(f"--target {opts.target} compiles for devices that are not here; add --dry-run.")
     from olmo3eqx import jaxenv
@@ -124,7 +124,8 @@ def dry_run(cfg, target: str | None = None) -> None:
     import yaml
 
     from olmo3eqx import aot, flops
-    from olmo3eqx.config import ConfigError, chip_remat, for_chip, to_dict
+    from olmo3eqx.config import chip_remat, for_chip, to_dict
+    from olmo3eqx.errors import ConfigError
     from olmo3eqx.sharding import build_layout
 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -269,7 +270,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     if primary:
         storage.makedirs(run_dir)
         dump_yaml(cfg, storage.join(run_dir, "config.yaml"))
-    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=config_dict)
+    log = metrics.MetricsLogger(run_dir, cfg.log, cfg.steps, enabled=primary, config_dict=config_dict,
+                                mfu_label=flops.mfu_label(jax.devices()[0]))
     log.print(distributed.describe())
     log.print(hostmem.describe())
     if storage.is_url(run_dir):
@@ -389,7 +391,8 @@ def train_data(cfg: TrainConfig, start: int, data_state: dict | None):
     """This process's iterator over the global batches, positioned at batch `start`."""
     import jax
 
-    from olmo3eqx.data import DataError, build_train_iterator
+    from olmo3eqx.data import build_train_iterator
+    from olmo3eqx.errors import DataError
 
     data = build_train_iterator(
         cfg.data, seq_len=cfg.data.seq_len, global_batch=cfg.data.global_batch, seed=cfg.data_seed,

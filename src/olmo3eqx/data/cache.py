@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from olmo3eqx.data.source import DataError
+from olmo3eqx.errors import DataError
 
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 """Failures of writing the cache (full, read-only or not ours), told as such; any other error keeps its own."""

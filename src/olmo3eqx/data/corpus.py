@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from olmo3eqx.data.prepare import BYTES, Piece, prepare_pieces
-from olmo3eqx.data.source import METADATA, DataError
+from olmo3eqx.data.source import METADATA
+from olmo3eqx.errors import DataError
 
 ARCHIVE = Path(__file__).parent / "default_corpus" / "python-3.11.7-stdlib.tar.xz"
 SOURCE = "CPython 3.11.7's standard library"

@@ -32,7 +32,8 @@ from jaxtyping import Int64
 
 from olmo3eqx import storage
 from olmo3eqx.data.cache import build_once
-from olmo3eqx.data.source import DataError, Tokens, chunks, parallel
+from olmo3eqx.data.source import Tokens, chunks, parallel
+from olmo3eqx.errors import DataError
 
 INDEX_SUFFIX = ".csv.gz"
 SCANS_DIR = "document-indices"

@@ -14,11 +14,12 @@ import numpy as np
 from jaxtyping import Float, Int
 
 from olmo3eqx import storage
-from olmo3eqx.config import ConfigError, DataConfig, EvalConfig, parse_named
+from olmo3eqx.config import DataConfig, EvalConfig, parse_named
+from olmo3eqx.errors import ConfigError, DataError
 from olmo3eqx.data.mixes import resolve_mix
 from olmo3eqx.data.documents import eos_ends
 from olmo3eqx.data.pipeline import heldout_files
-from olmo3eqx.data.source import DataError, TokenSource, check_ids, chunks, expand_paths, open_tokens, read_slices
+from olmo3eqx.data.source import TokenSource, check_ids, chunks, expand_paths, open_tokens, read_slices
 
 DEFAULT_SET = "heldout"
 """Name of the held-out set used when eval.heldout names none (data.heldout_paths or the default corpus's)."""

@@ -17,7 +17,8 @@ from importlib import resources
 from pathlib import Path
 
 from olmo3eqx import storage
-from olmo3eqx.data.source import DataError, parallel
+from olmo3eqx.data.source import parallel
+from olmo3eqx.errors import DataError
 
 TOKENIZER_FIELD = "{TOKENIZER}"
 DEFAULT_TOKENIZER_ID = "allenai/dolma2-tokenizer"

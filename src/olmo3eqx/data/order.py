@@ -26,7 +26,7 @@ import numpy as np
 from jaxtyping import Int, Int64
 
 from olmo3eqx.data.cache import build_once
-from olmo3eqx.data.source import DataError
+from olmo3eqx.errors import DataError
 
 FEISTEL_ROUNDS = 6
 """Rounds of the keyed Feistel network behind each epoch's permutation (ours)."""

@@ -34,7 +34,8 @@ from jaxtyping import Bool, Int, Int32, Int64
 from olmo3eqx import storage
 from olmo3eqx.data.cache import build_once
 from olmo3eqx.data.documents import document_spans, file_key, key_hash
-from olmo3eqx.data.source import DataError, check_ids, expand_paths, open_tokens, parallel, read_slices, stem
+from olmo3eqx.data.source import check_ids, expand_paths, open_tokens, parallel, read_slices, stem
+from olmo3eqx.errors import DataError
 
 PACKING_DIR = "packing"
 """Under data.cache_dir: one directory per packed dataset."""

@@ -23,7 +23,8 @@ from olmo3eqx.data.filters import repeated_ngram_mask
 from olmo3eqx.data.mixes import resolve_mix
 from olmo3eqx.data.order import OlmoCoreOrder, OurOrder
 from olmo3eqx.data.packed import PackedSource, segment_ids
-from olmo3eqx.data.source import DataError, TokenSource, expand_paths
+from olmo3eqx.data.source import TokenSource, expand_paths
+from olmo3eqx.errors import DataError
 
 STATE_VERSION = 1
 

@@ -35,7 +35,8 @@ from jaxtyping import UInt
 
 from olmo3eqx import exits, storage
 from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
-from olmo3eqx.data.source import METADATA, DataError, token_dtype_for_vocab
+from olmo3eqx.data.source import METADATA, token_dtype_for_vocab
+from olmo3eqx.errors import DataError
 
 BYTES = "bytes"
 """--tokenizer value of the built-in byte-level tokenizer."""

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from jaxtyping import Int, Int32
 
-from olmo3eqx import exits, storage
+from olmo3eqx import storage
+from olmo3eqx.errors import DataError
 
 METADATA = "metadata.json"
 """Written by `prepare` beside its token files; gives their dtype and tokenizer."""
@@ -37,10 +38,6 @@ SCAN_BYTES = 16 << 20
 this size, a few at a time, never held whole."""
 OPEN_THREADS = 32
 """Remote files opened at once (a HEAD and the sampled ids each): a mix of 1,016 files opens in seconds."""
-
-
-class DataError(exits.CommandError, ValueError):
-    """Bad data or data config; the message names the file or field and the fix."""
 
 
 def _is_glob(pattern: str) -> bool:

@@ -8,7 +8,8 @@
 The names below are the contract users and tools rely on (`from olmo3eqx.hf import load_hf`).
 """
 
-from olmo3eqx.hf.config_json import ConversionError, read_hf_config
+from olmo3eqx.hf.config_json import read_hf_config
+from olmo3eqx.errors import ConversionError
 from olmo3eqx.hf.parity import logit_parity
 from olmo3eqx.hf.weights import load_hf, save_hf
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from olmo3eqx import exits
-from olmo3eqx.config import FULL, SLIDING, ConfigError, ModelConfig, RopeScalingConfig, olmo_layer_types
+from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig, olmo_layer_types
+from olmo3eqx.errors import ConfigError, ConversionError
 
 CONFIG_FILE = "config.json"
 
@@ -45,11 +45,6 @@ TOKENIZER_FILE = "tokenizer.json"
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "sliding_window", "resolved_layer_types", "rms_norm_eps",
                "rope_theta", "rope_scaling")
-
-
-
-class ConversionError(exits.CommandError, ValueError):
-    """An HF checkpoint, or a pairing of checkpoints, that cannot be converted; the message names the thing."""
 
 
 # --- config.json <-> ModelConfig ------------------------------------------------------------------
@@ -347,7 +342,6 @@ def read_hf_config(path: str | Path, dtype=jnp.float32, warn=None) -> ModelConfi
 def config_mismatches(a: ModelConfig, b: ModelConfig) -> list[str]:
     """'field: a vs b' for every architecture field on which the two configs disagree."""
     return [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in ARCH_FIELDS if getattr(a, f) != getattr(b, f)]
-
 
 
 def is_flat_scaled_form(d: dict) -> bool:

@@ -15,8 +15,9 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from olmo3eqx.config import ModelConfig
-from olmo3eqx.hf.config_json import (ConversionError, config_mismatches, dtype_name, is_flat_scaled_form,
-                                    read_config_json, read_hf_architecture, read_hf_config, rope_to_hf)
+from olmo3eqx.hf.config_json import (config_mismatches, dtype_name, is_flat_scaled_form, read_config_json,
+                                     read_hf_architecture, read_hf_config, rope_to_hf)
+from olmo3eqx.errors import ConversionError
 from olmo3eqx.model import OLMo3, cast_floating
 
 
@@ -59,7 +60,6 @@ def kl_stats(ref_logits: np.ndarray, logits: np.ndarray) -> dict:
         "max_abs_logit": float(np.abs(ref).max()),
         "tokens": int(ref.shape[0]),
     }
-
 
 
 def hf_logits(hf_model_dir: str | Path, tokens: np.ndarray, dtype, like: ModelConfig | None = None) -> np.ndarray:

@@ -23,8 +23,8 @@ import numpy as np
 from safetensors import safe_open
 
 from olmo3eqx.config import ModelConfig
-from olmo3eqx.hf.config_json import (CONFIG_FILE, ConversionError, config_from_hf, config_to_hf, read_config_json,
-                                    resolve_token_ids)
+from olmo3eqx.hf.config_json import CONFIG_FILE, config_from_hf, config_to_hf, read_config_json, resolve_token_ids
+from olmo3eqx.errors import ConversionError
 from olmo3eqx.model import OLMo3, abstract_model
 
 SINGLE_FILE = "model.safetensors"

@@ -33,8 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from olmo3eqx import exits, storage
-from olmo3eqx.config import ConfigError
+from olmo3eqx.errors import ConfigError
 from olmo3eqx.metrics import read_metrics
+
+DESCRIPTION = ("Compare two runs: their loss, held-out and downstream curves, "
+               "the largest differences at matching steps, and PNGs.")
+"""--help's description (the module doc's first line is not a sentence on its own)."""
 
 TRAIN = "train/loss"
 DOWNSTREAM = "eval/downstream/"
@@ -266,7 +270,7 @@ def plot(a: dict, b: dict, c: Comparison, names: tuple[str, str], out: str | Pat
 
 @exits.command
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=DESCRIPTION)
     p.add_argument("run_a", help="run directory (or its metrics.jsonl) A")
     p.add_argument("run_b", help="run directory (or its metrics.jsonl) B")
     p.add_argument("--x", choices=("step", "tokens"), default="step", help="align the runs by step or by tokens")

@@ -33,6 +33,10 @@ from typing import Literal
 from olmo3eqx import exits
 from olmo3eqx.storage import StorePath
 
+DESCRIPTION = ("Evaluate a checkpoint, or every kept checkpoint of a run, on "
+               "held-out sets and downstream tasks: prints a table, writes JSON.")
+"""--help's description (the module doc's first line is not a sentence on its own)."""
+
 DEFAULT_SEQ_LEN = 2048
 """Model length for checkpoints that store no data.seq_len (capped by max_position_embeddings)."""
 
@@ -73,7 +77,8 @@ class Args:
 
 def run_config(stored: dict | None):
     """The stored TrainConfig, or None when the checkpoint holds only a model config."""
-    from olmo3eqx.config import ConfigError, TrainConfig, from_dict
+    from olmo3eqx.config import TrainConfig, from_dict
+    from olmo3eqx.errors import ConfigError
 
     if not stored or set(stored) <= {"model"}:
         return None
@@ -103,7 +108,7 @@ def setup(args: Args) -> Setup:
     from olmo3eqx.config import DataConfig, EvalConfig, MeshConfig
     from olmo3eqx.evaluator import build_evaluator
     from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
-    from olmo3eqx.tasks import TaskError
+    from olmo3eqx.errors import TaskError
 
     mesh = make_mesh(MeshConfig())
     model, model_cfg, stored, hf_tokenizer, step, run_dir = load_any(args.ckpt, mesh, args.dtype)
@@ -191,7 +196,7 @@ def evaluate_all(args: Args) -> None:
     import jax
 
     from olmo3eqx import checkpoint
-    from olmo3eqx.config import ConfigError
+    from olmo3eqx.errors import ConfigError
 
     root, steps = checkpoint.complete_steps(args.ckpt)
     if args.out:
@@ -234,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     from olmo3eqx import distributed
-    from olmo3eqx.config import ConfigError, DistConfig
+    from olmo3eqx.config import DistConfig
+    from olmo3eqx.errors import ConfigError
 
-    args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
+    args = tyro.cli(Args, args=argv, description=DESCRIPTION)
     distributed.initialize(DistConfig())  # several processes score together (see the module doc)
     if args.list_tasks:
         list_all_tasks()

@@ -26,13 +26,13 @@ blocks too: JEMALLOC_CONF).
 from __future__ import annotations
 
 import ctypes.util
-import glob
 import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from olmo3eqx import exits
+from olmo3eqx.jaxenv import has_accelerator
 
 CHOICE = "OLMO3EQX_MALLOC"
 """`system` keeps the C library's malloc as it comes; `glibc` tunes it (GLIBC_TUNED); a path to a shared library
@@ -53,8 +53,6 @@ QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 40)}
 JEMALLOC_CONF = {"MALLOC_CONF": "oversize_threshold:0"}
 """jemalloc 5 serves blocks over 8 MiB from an arena that purges them at once, which is glibc's behaviour again; with
 this setting it caches them too (bench/bench_step.py --malloc jemalloc measures it)."""
-ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
-"""Device files of NVIDIA GPUs, AMD GPUs and TPUs (accel on v4/v5e, vfio on v5p/v6e)."""
 
 
 class MallocChoiceError(ValueError):
@@ -72,14 +70,6 @@ def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str | None:
         if len(fields) >= 6 and Path(fields[5]).name.startswith(CACHING):
             return fields[5]
     return None
-
-
-def has_accelerator(env: Mapping[str, str]) -> bool:
-    """Whether JAX will run on an accelerator here: JAX_PLATFORMS when set, else the device files present."""
-    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
-    if platforms:
-        return any(p != "cpu" for p in platforms)
-    return any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
 
 
 def find_tcmalloc() -> str | None:

@@ -1,0 +1,158 @@
+"""The import graph of src/olmo3eqx: no cycles, and no import from the library up into the commands.
+
+Every `import` and `from ... import` of every module is read with `ast` (those inside functions and under
+TYPE_CHECKING too: a cycle broken only by a deferred import is still a cycle a reader has to hold in their head).
+
+The layers, bottom to top:
+- STANDARD_LIBRARY_ONLY: exits, errors (what every module may import) and jaxenv (run before JAX starts) import
+  nothing of the project but the modules listed beside them, and no third-party package;
+- the library: every other module outside tools/, in any order the graph allows (without cycles);
+- COMMANDS: tools/ and the modules pyproject's [project.scripts] names (train's cli, ...), which may import the
+  library and each other, never the other way round. data/prepare is the exception: the data code and the tasks
+  tokenize with its functions, and its `cli` is a thin wrapper over them (LIBRARY_WITH_CLI).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+PACKAGE = "olmo3eqx"
+LIBRARY_WITH_CLI = {"olmo3eqx.data.prepare"}
+STANDARD_LIBRARY_ONLY = {"olmo3eqx.exits": set(), "olmo3eqx.errors": {"olmo3eqx.exits"}, "olmo3eqx.jaxenv": set()}
+"""Module -> the project modules it may import (and nothing outside the standard library)."""
+
+
+def modules(src: Path = SRC) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    found = {}
+    for path in sorted((src / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported_names(module: str, path: Path) -> list[tuple[str, int]]:
+    """(dotted name, line) of everything `module` imports, anywhere in it; `from a import b` gives a.b and a (b may
+    be a submodule or a name defined in a)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out += [(f"{base}.{alias.name}", node.lineno) for alias in node.names] + [(base, node.lineno)]
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {project module it imports: first line that does}; a name resolves to the longest module prefix
+    (`from olmo3eqx.storage import path` is an edge to olmo3eqx.storage); the bare package is no edge (its __init__
+    only names the version)."""
+    graph = {}
+    for module, path in mods.items():
+        edges = {}
+        for name, line in imported_names(module, path):
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name not in (module, PACKAGE):
+                edges.setdefault(name, line)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def commands(mods: dict[str, Path]) -> set[str]:
+    """tools/ and the modules of pyproject's console scripts, less LIBRARY_WITH_CLI."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    named = {target.partition(":")[0] for target in scripts.values()}
+    assert named <= set(mods), f"console scripts name modules that do not exist: {sorted(named - set(mods))}"
+    return ({m for m in mods if m.startswith(f"{PACKAGE}.tools")} | named) - LIBRARY_WITH_CLI
+
+
+def upward_edges(graph: dict[str, dict[str, int]], top: set[str]) -> list[str]:
+    return [f"{a} -> {b} (line {line})" for a, edges in sorted(graph.items()) if a not in top
+            for b, line in sorted(edges.items()) if b in top]
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph(modules())
+    assert len(graph) > 50 and "olmo3eqx.storage" in graph["olmo3eqx.checkpoint"]  # the reader sees the package
+    found = cycles(graph)
+    assert not found, "import cycles (break each by moving the shared piece down a layer): " + "; ".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_library_never_imports_a_command():
+    mods = modules()
+    top = commands(mods)
+    assert {"olmo3eqx.train", "olmo3eqx.tools.evaluate"} <= top
+    upward = upward_edges(import_graph(mods), top)
+    assert not upward, "library modules import a command module (move what they need into the library): " + \
+        "; ".join(upward)
+
+
+def test_the_bottom_layer_imports_only_the_standard_library():
+    mods = modules()
+    graph = import_graph(mods)
+    for module, allowed in STANDARD_LIBRARY_ONLY.items():
+        assert set(graph[module]) <= allowed, f"{module} imports {sorted(set(graph[module]) - allowed)}"
+        third_party = {name.partition(".")[0] for name, _ in imported_names(module, mods[module])} - \
+            set(sys.stdlib_module_names) - {PACKAGE, "__future__"}
+        assert not third_party, f"{module} imports {sorted(third_party)}, outside the standard library"
+
+
+def test_the_checker_finds_a_cycle_and_an_upward_import(tmp_path):
+    """The checker itself, on a made-up package: a <-> b through an import inside a function, and a library module
+    importing tools/."""
+    pkg = tmp_path / PACKAGE
+    (pkg / "tools").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tools" / "__init__.py").write_text("")
+    (pkg / "tools" / "cmd.py").write_text("import json\n")
+    (pkg / "a.py").write_text("from olmo3eqx.b import thing\n")
+    (pkg / "b.py").write_text("def f():\n    from olmo3eqx import a\n\n\ndef g():\n    from .tools import cmd\n")
+    graph = import_graph(modules(tmp_path))
+    assert cycles(graph) == [["olmo3eqx.a", "olmo3eqx.b"]]
+    assert upward_edges(graph, {"olmo3eqx.tools", "olmo3eqx.tools.cmd"}) == [
+        "olmo3eqx.b -> olmo3eqx.tools (line 6)", "olmo3eqx.b -> olmo3eqx.tools.cmd (line 6)"]
