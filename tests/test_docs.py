@@ -29,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-OTHER_TOOLS = {"pip", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
+OTHER_TOOLS = {"pip", "hf", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
                "gcloud"}
 """Programs the docs may show that are not ours (their flags are their authors' business)."""
 SHELL_WORDS = {"do", "then", "else", "{", "}", "(", ")"}
