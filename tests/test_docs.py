@@ -29,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-OTHER_TOOLS = {"pip", "hf", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
+OTHER_TOOLS = {"pip", "hf", "tmux", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
                "gcloud"}
 """Programs the docs may show that are not ours (their flags are their authors' business)."""
 SHELL_WORDS = {"do", "then", "else", "{", "}", "(", ")"}
@@ -60,7 +60,7 @@ def shell_blocks(path: Path) -> list[tuple[int, str]]:
 def simple_commands(script: str) -> list[list[str]]:
     """The simple commands of a shell snippet: continuations joined, comments dropped, split at ; && || | &,
     leading VAR=value assignments and shell keywords removed, `for` headers skipped, gcloud's --command and
-    srun's payload unpacked."""
+    srun's and `tmux new-session`'s payloads unpacked."""
     commands = []
     for line in script.replace("\\\n", " ").splitlines():
         lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
@@ -82,6 +82,9 @@ def simple_commands(script: str) -> list[list[str]]:
             continue
         if cmd[0] == "gcloud" and "--command" in cmd:
             out += simple_commands(cmd[cmd.index("--command") + 1])
+            continue
+        if cmd[0] == "tmux" and cmd[1:2] == ["new-session"]:
+            out += simple_commands(cmd[-1])
             continue
         if cmd[0] == "srun":
             starts = [i for i, t in enumerate(cmd) if t == "python" or t.startswith("olmo3eqx-")]
@@ -246,11 +249,13 @@ for i in 0 1; do
   JAX_PROCESS_ID=$i XLA_FLAGS=--x=2 python train.py --steps 20 &
 done; wait
 gcloud compute tpus tpu-vm ssh v --worker=all --command "cd d && .venv/bin/python train.py --run.dir gs://b/r"
-srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml"""
+srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml
+gcloud x --command "cd d && tmux new-session -d -s t '.venv/bin/python train.py --run.dir gs://b/r --until-done'\""""
     assert simple_commands(script) == [
         ["python", "train.py", "--a", "1", "--b", "2"], ["pip", "install", "-e", ".[tpu]"],
         ["python", "train.py", "--steps", "20"], ["wait"], ["cd", "d"],
-        [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"]]
+        [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"],
+        ["cd", "d"], [".venv/bin/python", "train.py", "--run.dir", "gs://b/r", "--until-done"]]
 
 
 def test_config_reference_covers_every_field():
