@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import html
 import inspect
+import re
 import textwrap
 
 MARKER = "<!-- config-reference -->"
@@ -27,6 +29,15 @@ def field_docs(cls) -> dict[str, str]:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = inspect.cleandoc(nxt.value.value)
     return docs
+
+
+def _text(text: str) -> str:
+    """Docstring text as Markdown that shows what it says: outside code spans (which Markdown escapes itself),
+    `<`, `>` and `&` become entities, so `runs/<name>/` is not read as an HTML tag, and `*` and `_` are
+    backslashed, so `c4_en/*.npy; v3_small/*.npy` does not turn into italics."""
+    parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
+    return "".join(p if p.startswith("`") else re.sub(r"([*_])", r"\\\1", html.escape(p, quote=False))
+                   for p in parts)
 
 
 def _cell(text: str) -> str:
@@ -78,14 +89,14 @@ def reference_markdown() -> str:
         parts += [f"## `{title}`" if prefix else "## Top level", ""]
         doc = inspect.cleandoc(cls.__doc__ or "")
         if doc and not doc.startswith(cls.__name__ + "("):  # not dataclasses' generated signature
-            parts += [" ".join(doc.split()), ""]
+            parts += [_text(doc), ""]
         docs = field_docs(cls)
         parts += ["| field | flag | type | default | what |", "|---|---|---|---|---|"]
         for f in leaves:
             name = prefix + f.name
             flag = "--" + name.replace("_", "-")
             parts.append(f"| `{name}` | `{flag}` | `{_cell(str(f.type))}` | {_default(f)} | "
-                         f"{_cell(docs.get(f.name, ''))} |")
+                         f"{_cell(_text(docs.get(f.name, '')))} |")
         parts.append("")
     return "\n".join(parts)
 

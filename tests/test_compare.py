@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -119,3 +120,20 @@ def test_eval_files_fill_in_and_matching_steps_give_the_largest_difference(tmp_p
     ya, yb = compare.series(a)[compare.TRAIN][1], sb[compare.TRAIN][1]
     assert m.points == 40 and m.max_diff == pytest.approx(np.max(np.abs(ya - yb)))
     assert m.at == 10 * (1 + int(np.argmax(np.abs(ya - yb))))
+
+
+def test_window_headers_stay_apart_and_over_their_columns(tmp_path):
+    # 1,048,576 tokens a step: the edges are 10.49M..419.4M tokens; printed as 1.049e+07-1.127e+08 the headers ran
+    # into one another.
+    a = write_run(tmp_path / "A", train_shift=0.0, heldout_shift=0.0, tokens_per_step=1 << 20)
+    b = write_run(tmp_path / "B", train_shift=0.0, heldout_shift=0.0, tokens_per_step=1 << 20, seed=1)
+    lines = compare.format_table(compare.compare(compare.series(a, "tokens"), compare.series(b, "tokens"),
+                                                 x="tokens")).splitlines()
+    header, row = lines[lines.index("windows of tokens") + 1:][:2]
+    assert header.split()[2:] == ["10.49M-112.7M", "112.7M-215M", "215M-317.2M", "317.2M-419.4M"]
+    ends = lambda line: [m.end() for m in re.finditer(r"\S+", line)][-4:]  # noqa: E731
+    assert row.startswith("train/loss") and ends(header) == ends(row)
+    # Edges longer than the default column widen it instead of gluing the headers together.
+    c = compare.Comparison("tokens", [1.234567e-5, 2.345678e-5, 3.456789e-5], {compare.TRAIN: [0.0, 0.0]}, None, "")
+    header = compare.format_table(c).splitlines()[3]
+    assert header.split()[2:] == ["1.235e-05-2.346e-05", "2.346e-05-3.457e-05"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import html.parser
 import importlib
 import os
 import re
@@ -28,7 +29,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-OTHER_TOOLS = {"pip", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
+OTHER_TOOLS = {"pip", "hf", "tmux", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
                "gcloud"}
 """Programs the docs may show that are not ours (their flags are their authors' business)."""
 SHELL_WORDS = {"do", "then", "else", "{", "}", "(", ")"}
@@ -59,7 +60,7 @@ def shell_blocks(path: Path) -> list[tuple[int, str]]:
 def simple_commands(script: str) -> list[list[str]]:
     """The simple commands of a shell snippet: continuations joined, comments dropped, split at ; && || | &,
     leading VAR=value assignments and shell keywords removed, `for` headers skipped, gcloud's --command and
-    srun's payload unpacked."""
+    srun's and `tmux new-session`'s payloads unpacked."""
     commands = []
     for line in script.replace("\\\n", " ").splitlines():
         lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
@@ -81,6 +82,9 @@ def simple_commands(script: str) -> list[list[str]]:
             continue
         if cmd[0] == "gcloud" and "--command" in cmd:
             out += simple_commands(cmd[cmd.index("--command") + 1])
+            continue
+        if cmd[0] == "tmux" and cmd[1:2] == ["new-session"]:
+            out += simple_commands(cmd[-1])
             continue
         if cmd[0] == "srun":
             starts = [i for i, t in enumerate(cmd) if t == "python" or t.startswith("olmo3eqx-")]
@@ -245,11 +249,13 @@ for i in 0 1; do
   JAX_PROCESS_ID=$i XLA_FLAGS=--x=2 python train.py --steps 20 &
 done; wait
 gcloud compute tpus tpu-vm ssh v --worker=all --command "cd d && .venv/bin/python train.py --run.dir gs://b/r"
-srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml"""
+srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml
+gcloud x --command "cd d && tmux new-session -d -s t '.venv/bin/python train.py --run.dir gs://b/r --until-done'\""""
     assert simple_commands(script) == [
         ["python", "train.py", "--a", "1", "--b", "2"], ["pip", "install", "-e", ".[tpu]"],
         ["python", "train.py", "--steps", "20"], ["wait"], ["cd", "d"],
-        [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"]]
+        [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"],
+        ["cd", "d"], [".venv/bin/python", "train.py", "--run.dir", "gs://b/r", "--until-done"]]
 
 
 def test_config_reference_covers_every_field():
@@ -291,13 +297,73 @@ def _build(docs_root: Path, site: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_site_builds_strict(tmp_path):
-    p = _build(ROOT, tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site built from this checkout, once for the tests that read it."""
+    out = tmp_path_factory.mktemp("built") / "site"
+    p = _build(ROOT, out)
     assert p.returncode == 0, p.stdout + p.stderr
-    reference = (tmp_path / "site" / "config-reference" / "index.html").read_text()
+    return out
+
+
+def test_site_builds_strict(site):
+    reference = (site / "config-reference" / "index.html").read_text()
     assert "model.rope_scaling.factor" in reference and "--data.mix-root" in reference
-    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    api = (site / "api" / "index.html").read_text()
     assert "load_hf" in api and "segment_ids" in api  # mkdocstrings rendered the docstrings
+
+
+class _Text(html.parser.HTMLParser):
+    """The text of a page's article and the tags in it, as a browser reads them."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.depth, self.text, self.tags = 0, [], set()
+
+    def handle_starttag(self, tag, attrs):
+        self.depth += tag == "article" or bool(self.depth)
+        if self.depth:
+            self.tags.add(tag)
+
+    def handle_endtag(self, tag):
+        self.depth -= bool(self.depth)
+
+    def handle_data(self, data):
+        if self.depth:
+            self.text.append(data)
+
+
+def run_on_lists(page: str) -> list[str]:
+    """Lines of rendered paragraphs that begin like a list item: a list glued to the paragraph before it (Python-
+    Markdown, unlike GitHub, needs a blank line before a list, or the items run on as one paragraph)."""
+    return [line.strip()[:80] for para in re.findall(r"<p>(.*?)</p>", page, re.S)
+            for line in para.splitlines()[1:] if re.match(r"\s*([-*+]|\d+\.)\s", line)]
+
+
+def test_built_pages_have_no_run_on_lists(site):
+    glued = {str(f.relative_to(site)): found for f in sorted(site.rglob("index.html"))
+             if (found := run_on_lists(f.read_text()))}
+    assert not glued, f"lists rendered as paragraphs (put a blank line before the list): {glued}"
+
+
+def test_config_reference_shows_the_docstrings_as_written(site):
+    """Docstring text is escaped, not passed as raw HTML: `runs/<name>/` shows as written (not `runs//`), `<set>`
+    does not vanish, and the page holds no tag Markdown did not make."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        hooks = importlib.import_module("hooks")
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    parser = _Text()
+    parser.feed((site / "config-reference" / "index.html").read_text())
+    shown = " ".join("".join(parser.text).split())
+    docs = [hooks.field_docs(cls)[f.name] for _, cls, leaves in hooks.sections() for f in leaves]
+    missing = [doc for doc in docs if " ".join(doc.replace("`", "").split()) not in shown]
+    assert not missing, f"docstrings not shown as written: {missing[:3]}"
+    assert "runs/<name>/" in shown and "eval/<set>/loss" in shown
+    made = {"a", "code", "div", "em", "h1", "h2", "p", "pre", "span", "strong", "table", "tbody", "td", "th",
+            "thead", "tr", "article", "button", "svg", "path", "nav"}
+    assert parser.tags <= made, f"raw HTML in the reference: <{'>, <'.join(sorted(parser.tags - made))}>"
 
 
 def test_a_broken_link_fails_the_build(tmp_path):

@@ -204,6 +204,14 @@ def judge(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: 
     return None, detail + ": a real improvement"
 
 
+def short(v: float) -> str:
+    """A window edge in at most 4 significant digits with a K/M/B/T suffix: 10.49M, not 1.049e+07."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(v) >= scale:
+            return f"{v / scale:.4g}{unit}"
+    return f"{v:.4g}"
+
+
 def format_table(c: Comparison) -> str:
     names = list(c.matches)
     width = max([len(n) for n in [*names, *c.deltas]] + [10]) + 2
@@ -211,10 +219,11 @@ def format_table(c: Comparison) -> str:
     for n in names:
         m = c.matches[n]
         lines.append(f"{n:<{width}}{m.points:>8}{m.last_a:>12.4f}{m.last_b:>12.4f}{m.max_diff:>12.4f}{m.at:>12.6g}")
-    lines += ["", f"windows of {c.x}", f"{'delta A-B':<{width}}" + "".join(
-        f"{f'{c.edges[i]:.4g}-{c.edges[i + 1]:.4g}':>16}" for i in range(len(c.edges) - 1))]
+    labels = [f"{short(c.edges[i])}-{short(c.edges[i + 1])}" for i in range(len(c.edges) - 1)]
+    col = max([16] + [len(label) + 2 for label in labels])  # a gap between headers however long the edges
+    lines += ["", f"windows of {c.x}", f"{'delta A-B':<{width}}" + "".join(f"{label:>{col}}" for label in labels)]
     for n in c.deltas:
-        lines.append(f"{n:<{width}}" + "".join(f"{v:>+16.4f}" if math.isfinite(v) else f"{'-':>16}"
+        lines.append(f"{n:<{width}}" + "".join(f"{v:>+{col}.4f}" if math.isfinite(v) else f"{'-':>{col}}"
                                                for v in c.deltas[n]))
     sig = f"MEMORISATION SIGNATURE in run {c.verdict}: " if c.verdict else "no memorisation signature: "
     return "\n".join(lines + ["", sig + c.reason])
