@@ -346,6 +346,22 @@ def test_built_pages_have_no_run_on_lists(site):
     assert not glued, f"lists rendered as paragraphs (put a blank line before the list): {glued}"
 
 
+def heading_faults(page: str) -> list[str]:
+    """A page's article without a level-2 heading (its table of contents is empty) or stepping down more than one
+    level at once (H1 to H3)."""
+    article = page[page.find("<article"):page.rfind("</article>")]
+    levels = [int(n) for n in re.findall(r"<h([1-6])[ >]", article)]
+    faults = [] if 2 in levels else ["no level-2 heading"]
+    return faults + [f"H{a} to H{b}" for a, b in zip(levels, levels[1:]) if b > a + 1]
+
+
+def test_built_pages_have_a_table_of_contents_and_no_skipped_heading_level(site):
+    assert heading_faults("<article><h1>A</h1><h3>B</h3></article>") == ["no level-2 heading", "H1 to H3"]
+    faults = {str(f.relative_to(site)): found for f in sorted(site.rglob("index.html"))
+              if f.parent != site and (found := heading_faults(f.read_text()))}
+    assert not faults, f"pages whose headings need fixing: {faults}"
+
+
 def test_config_reference_shows_the_docstrings_as_written(site):
     """Docstring text is escaped, not passed as raw HTML: `runs/<name>/` shows as written (not `runs//`), `<set>`
     does not vanish, and the page holds no tag Markdown did not make."""
