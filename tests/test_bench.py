@@ -212,7 +212,7 @@ def test_order_benchmark_runs_at_toy_size(tmp_path, monkeypatch, capsys):
     assert results["index"]["identical_to_olmo_core_line"] and results["index"]["index_bytes"] == 4 * 200000
     assert results["index"]["build"]["peak_rss_bytes"] > 0 and results["index"]["reload_cold"]["seconds"] > 0
     assert results["loader_ours_instances_per_s"] > 0 and results["loader_olmo-core_instances_per_s"] > 0
-    assert "needed per host by a 7B step on v5p-128" in capsys.readouterr().out
+    assert "needed per host by a 7B stage-1 step on v5p-128" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # 29 s on this loaded 2-core host: four launches of a process; -m slow
