@@ -156,3 +156,15 @@ def test_the_checker_finds_a_cycle_and_an_upward_import(tmp_path):
     assert cycles(graph) == [["olmo3eqx.a", "olmo3eqx.b"]]
     assert upward_edges(graph, {"olmo3eqx.tools", "olmo3eqx.tools.cmd"}) == [
         "olmo3eqx.b -> olmo3eqx.tools (line 6)", "olmo3eqx.b -> olmo3eqx.tools.cmd (line 6)"]
+
+
+def test_storage_is_a_package_whose_modules_import_downward_only():
+    """paths at the bottom, then stores and retry, ranged, files, and append / versioned on top: a module of the
+    package imports only those before it (the package's __init__ gathers the API)."""
+    order = ["paths", "stores", "retry", "ranged", "files", "append", "versioned"]
+    mods = modules()
+    graph = import_graph(mods)
+    inside = {f"{PACKAGE}.storage.{m}": i for i, m in enumerate(order)}
+    assert set(inside) == {m for m in mods if m.startswith(f"{PACKAGE}.storage.")}, "a storage module not placed here"
+    upward = [f"{a} -> {b}" for a, i in inside.items() for b in graph[a] if inside.get(b, -1) >= i]
+    assert not upward, "storage modules importing a module at or above their own layer: " + "; ".join(upward)

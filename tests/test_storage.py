@@ -200,7 +200,7 @@ def test_an_append_refuses_to_write_over_another_writers_change(prefix, monkeypa
     for scheme in BUCKETS:
         url = storage.join(prefix(scheme), "metrics.jsonl")
         storage.append_bytes(url, b"1\n")
-        real = storage._version
+        real = storage.append._version
         with monkeypatch.context() as m:
             def version_then_replaced(s, p, calls=[]):
                 out = real(s, p)
@@ -208,7 +208,7 @@ def test_an_append_refuses_to_write_over_another_writers_change(prefix, monkeypa
                     calls.append(1)
                     storage.write_bytes(url, b"someone else\n")
                 return out
-            m.setattr(storage, "_version", version_then_replaced)
+            m.setattr(storage.append, "_version", version_then_replaced)
             with pytest.raises(storage.StorageError, match="changed while olmo3eqx appended to it"):
                 storage.append_bytes(url, b"2\n")
         assert storage.read_bytes(url) == b"someone else\n", scheme
@@ -297,7 +297,7 @@ def test_http_missing_and_denied_are_permanent(stores):
 
 def test_transient_http_failures_are_retried(stores, served, capfd, monkeypatch):
     url, data = served
-    monkeypatch.setattr(storage, "_warned", {})  # a warning earlier in the session would silence this one
+    monkeypatch.setattr(storage.retry, "_warned", {})  # a warning earlier in the session would silence this one
     stores.http.server.failures[url.split(stores.http.url)[1]] = 2  # two 503s, then the file
     assert storage.read_bytes(url, 0, 64) == data[:64]
     err = capfd.readouterr().err
