@@ -49,7 +49,6 @@ def test_the_docs_validation_table_is_the_stored_one():
     assert bench_tpu_validate.markdown(stored("tpu_validation.json")) in DOCS.read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 47 is not done: fewer than five rows of bench_tpu_validate.py compiled")
 def test_the_stated_error_comes_from_five_or_more_published_measurements():
     assert len(bench_tpu_validate.ratios(stored("tpu_validation.json"))) >= 5
 
