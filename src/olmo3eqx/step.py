@@ -136,8 +136,14 @@ def check_blocked_memory(cfg: TrainConfig, layout: Layout) -> None:
 
 
 def device_memory(device) -> int | None:
-    """Bytes the device lets XLA allocate (its memory_stats' bytes_limit); None where it reports none (CPU)."""
-    return (device.memory_stats() or {}).get("bytes_limit")
+    """Bytes the device lets XLA allocate (its memory_stats' bytes_limit); None where it reports none (CPU) or
+    cannot be asked: the devices of a compile-only topology (jax.experimental.topologies, the dry run for a TPU
+    slice from a CPU host) are not addressable, and their memory is what the compile itself then reports."""
+    try:
+        stats = device.memory_stats()
+    except jax.errors.JaxRuntimeError:  # "MemoryStats is only supported for addressable PjRt devices"
+        return None
+    return (stats or {}).get("bytes_limit")
 
 
 def tpu_compiler_options(cfg: TrainConfig, mesh) -> dict[str, str]:
