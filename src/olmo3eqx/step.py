@@ -119,7 +119,9 @@ def check_blocked_memory(cfg: TrainConfig, layout: Layout) -> None:
     from olmo3eqx.errors import ConfigError
 
     m = cfg.model
-    if resolve(m.attention_impl, DTYPE[m.compute_dtype], cfg.data.packing, cfg.data.seq_len) != "blocked":
+    with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):  # "auto" as the step resolves it (on_mesh)
+        impl = resolve(m.attention_impl, DTYPE[m.compute_dtype], cfg.data.packing, cfg.data.seq_len)
+    if impl != "blocked":
         return
     device = layout.mesh.local_devices[0]  # memory_stats answers for this process's own devices only
     limit = device_memory(device)
