@@ -5,10 +5,12 @@ shapes of the recipe (32 x 128 and 16 x 256: same parameters and FLOPs). Per com
 HBM (fits or not), XLA's FLOPs per device-step, the compile time. Needs libtpu (pip install -e ".[tpu]").
 
     python bench/bench_tpu_memory.py [--topologies tpu7x:4x4x4,v5p:8x8x2] [--remat none,dots,dots_no_batch,full]
-                                     [--heads 32x128,16x256] [--json docs/results/tpu_memory.json]
+                                     [--heads 32x128,16x256] [--config PRESET] [--json FILE] [--markdown]
 
 Each compile takes minutes on a 2-core host; results are merged into the JSON as they come (each cell with its
-command, date and jax/libtpu versions), so a partial run keeps what it measured. Prints a table last.
+command, date and jax/libtpu versions), so a partial run keeps what it measured. Prints a table last; --markdown
+prints the docs' table (docs/tpu-gpu.md) from the JSON without compiling (tests/test_tpu_results.py checks the docs
+hold it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,16 +44,46 @@ def config(heads: str, remat: str):
     return dataclasses.replace(base, model=model)
 
 
+TEMPORARIES = re.compile(r"HLO temporaries \(([\d.]+G)\)")
+
+
+def markdown(saved: dict) -> str:
+    """The docs' table (docs/tpu-gpu.md) of the stored cells, in the order they were compiled."""
+    lines = ["| topology | heads | remat | memory per device | HBM | fits | compile |", "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for key, r in saved.items():
+        topology, heads, remat = key.split("/")
+        where = f"`{topology}`" if topology in seen else f"`{topology}` ({r['devices']} x {r['device_kind']})"
+        seen.add(topology)
+        hbm = r["hbm"] / aot.GIB
+        if r["out_of_memory"]:
+            found = TEMPORARIES.search(r["out_of_memory"])
+            memory = f"over: temporaries {found.group(1)}" if found else f"over: {r['out_of_memory']}"
+        else:
+            memory = f"{r['memory']['total'] / aot.GIB:.2f} GiB (temporaries {r['memory']['temp'] / aot.GIB:.2f})"
+        fits = ({False: "no", None: "?"}.get(r["fits"])
+                or f"yes, {hbm - r['memory']['total'] / aot.GIB:.2f} GiB to spare")
+        lines.append(f"| {where} | {heads.replace('x', ' x ')} | `{remat}` | {memory} | {hbm:.2f} GiB | {fits} | "
+                     f"{r['compile_s']:.0f} s |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--topologies", default="tpu7x:4x4x4,v5p:8x8x2")
     ap.add_argument("--remat", default="none,dots,dots_no_batch,full")
     ap.add_argument("--heads", default="32x128,16x256")
     ap.add_argument("--config", default=None, help="a YAML preset instead of the 7B stage 1 (its own head shape)")
-    ap.add_argument("--json", default=str(common.TRACKED / "tpu_memory.json"))
+    ap.add_argument("--json", default=None, help="default docs/results/tpu_memory.json, or tpu_memory_<preset>.json "
+                    "with --config (a preset's cells never mix with the 7B stage-1 table's)")
+    ap.add_argument("--markdown", action="store_true", help="print the docs' table from the JSON and stop")
     args = ap.parse_args(argv)
-    path = Path(args.json)
+    path = Path(args.json or common.TRACKED / (f"tpu_memory_{Path(args.config).stem}.json" if args.config
+                                               else "tpu_memory.json"))
     saved = json.loads(path.read_text()).get("results", {}) if path.is_file() else {}
+    if args.markdown:
+        print(markdown(saved))
+        return 0
     preset = load_yaml(args.config) if args.config else None
     head_shapes = ([f"{preset.model.num_attention_heads}x{preset.model.head_dim}"] if preset
                    else args.heads.split(","))  # a preset's own head shape (--heads is for the 7B stage 1)

@@ -1,8 +1,8 @@
 """The stored TPU results the docs' tables are made from (docs/results/, which bench/bench_tpu_validate.py,
 bench_tpu_plan.py and bench_tpu_memory.py write): every cell says how it was made (command, date, jax and libtpu
-versions); the docs' validation table is the one the JSON gives, with the spread the dry run prints; and a preset
-leaves `remat: full` on a chip only where a stored plan predicts a gain larger than the model's measured error. CPU
-only: nothing is compiled, the JSON is read."""
+versions); the docs' validation and memory tables are the ones the JSON gives, the validation with the spread the dry
+run prints; and a preset leaves `remat: full` on a chip only where a stored plan predicts a gain larger than the
+model's measured error. CPU only: nothing is compiled, the JSON is read."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from olmo3eqx.config import chip_name, load_yaml, remat_by_chip_entries
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 sys.path.insert(0, str(REPO / "bench"))
+import bench_tpu_memory  # noqa: E402
 import bench_tpu_plan  # noqa: E402
 import bench_tpu_validate  # noqa: E402
 
@@ -47,6 +48,14 @@ def test_every_stored_cell_says_how_it_was_made(name):
 
 def test_the_docs_validation_table_is_the_stored_one():
     assert bench_tpu_validate.markdown(stored("tpu_validation.json")) in DOCS.read_text()
+
+
+def test_the_docs_memory_table_is_the_stored_one():
+    """The 7B stage-1 memory table (16 compiles: two slices, two head shapes, four remat policies) as
+    bench_tpu_memory.py stored it, every cell."""
+    cells = stored("tpu_memory.json")
+    assert len(cells) == 16
+    assert bench_tpu_memory.markdown(cells) in DOCS.read_text()
 
 
 def test_the_stated_error_comes_from_five_or_more_published_measurements():
