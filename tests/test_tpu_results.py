@@ -58,6 +58,14 @@ def test_the_docs_memory_table_is_the_stored_one():
     assert bench_tpu_memory.markdown(cells) in DOCS.read_text()
 
 
+def test_the_stage3_memory_table_is_the_stored_one():
+    """docs/stages.md's stage-3 table (the 65,536-token step on v5p and Ironwood, four remat policies each) as
+    `bench_tpu_memory.py --config configs/olmo3-7b-stage3.yaml` stored it."""
+    cells = stored("tpu_memory_olmo3-7b-stage3.json")
+    assert {key.split("/")[0] for key in cells} == {"v5p:4x4x4", "tpu7x:4x4x2"}
+    assert bench_tpu_memory.markdown(cells) in (REPO / "docs" / "stages.md").read_text()
+
+
 def test_the_stated_error_comes_from_five_or_more_published_measurements():
     assert len(bench_tpu_validate.ratios(stored("tpu_validation.json"))) >= 5
 
