@@ -143,8 +143,9 @@ def test_dry_run_on_this_host(capsys):
 
 
 def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
-    """`--target h100x8`: packed documents get flash (cuDNN cannot mask them), the 8 simulated devices stand for the
-    node, memory is judged against an H100's; h200x4 takes the first 4; more GPUs than devices is one sentence."""
+    """`--target h100x8`: a float32 model's packed documents get flash (cuDNN has no float32 kernel; bf16 would take
+    cuDNN's packed layout), the 8 simulated devices stand for the node, memory is judged against an H100's; h200x4
+    takes the first 4; more GPUs than devices is one sentence."""
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # train.py asks for simulated devices there: restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, ""))
     flags = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "256", "--data.packing"]

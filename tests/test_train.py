@@ -203,6 +203,18 @@ sys.exit(main(sys.argv[1:]))
 """train.py with every array read of orbax's restore failing as a failing disk fails it (EIO)."""
 
 
+def stops_on_the_failing_reads(cfg: Path, run_dir: Path, step_dir: Path) -> None:
+    """A launch under FAIL_READS stops at `step_dir`'s restore with exit 74 and one sentence, nothing set aside."""
+    before = sorted(q.name for q in step_dir.parent.iterdir())
+    p = subprocess.run([sys.executable, "-c", FAIL_READS, *command(cfg, run_dir)[2:]], env=env(), capture_output=True,
+                       text=True, timeout=600)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert p.returncode == exits.STORAGE and len(errors) == 1, p.stderr[-3000:]
+    assert f"Checkpoint {step_dir} could not be read (OSError: [Errno 5]" in errors[0], errors
+    assert "nothing was set aside" in errors[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert sorted(q.name for q in step_dir.parent.iterdir()) == before
+
+
 def test_torn_newest_checkpoint_is_skipped_but_never_while_the_storage_fails(setup, reference):
     """Checkpoint 12's data torn. A launch whose reads fail (EIO) stops with exit 74 and one sentence and sets nothing
     aside, not even the torn step; the relaunch skips 12 (renamed whole, for inspection), resumes from 8 and replays
@@ -215,14 +227,7 @@ def test_torn_newest_checkpoint_is_skipped_but_never_while_the_storage_fails(set
         f.write_bytes(b"")  # torn array data (its metadata intact: orbax reads both at once, and a second failure
         # beside the EIO would be echoed by asyncio as an exception never retrieved)
     keep_metrics_until(run_dir, 8)
-    before = sorted(q.name for q in ckpt.iterdir())
-    p = subprocess.run([sys.executable, "-c", FAIL_READS, *command(cfg, run_dir)[2:]], env=env(), capture_output=True,
-                       text=True, timeout=600)
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-    assert p.returncode == exits.STORAGE and len(errors) == 1, p.stderr[-3000:]
-    assert f"Checkpoint {ckpt / '12'} could not be read (OSError: [Errno 5]" in errors[0], errors  # not skipped
-    assert "nothing was set aside" in errors[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert sorted(q.name for q in ckpt.iterdir()) == before
+    stops_on_the_failing_reads(cfg, run_dir, ckpt / "12")  # not skipped
 
     p = run(cfg, run_dir)
     assert f"checkpoint {ckpt / '12'} is incomplete or damaged" in p.stderr and "falling back" in p.stderr
@@ -230,6 +235,25 @@ def test_torn_newest_checkpoint_is_skipped_but_never_while_the_storage_fails(set
     assert_same_run(run_dir, reference)
     set_aside = [q.name for q in ckpt.iterdir() if q.name.startswith("12.unreadable-")]
     assert len(set_aside) == 1 and (ckpt / set_aside[0] / "state").is_dir()  # kept whole, for inspection
+
+
+def test_an_outage_under_the_restore_of_an_intact_newest_checkpoint_then_the_relaunch_resumes_it(setup, reference):
+    """The newest checkpoint (8, once 12 is gone) intact and the storage failing under its restore: exit 74, one
+    sentence, nothing set aside; the relaunch, the storage back, resumes that same newest step and replays the rest
+    bit-identically."""
+    base, cfg = setup
+    run_dir = base / "outage"
+    shutil.copytree(reference, run_dir)
+    ckpt = run_dir / "e2e" / "checkpoints"
+    shutil.rmtree(ckpt / "12")
+    keep_metrics_until(run_dir, 8)
+    stops_on_the_failing_reads(cfg, run_dir, ckpt / "8")
+
+    p = run(cfg, run_dir)
+    assert f"resumed from {ckpt / '8'}" in p.stderr and "damaged" not in p.stderr
+    assert_same_run(run_dir, reference)
+    for a, b in zip(final_params(run_dir), final_params(reference)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_kill_during_a_checkpoint_write_resumes_from_the_previous_one(setup, reference):

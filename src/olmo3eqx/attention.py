@@ -111,7 +111,8 @@ def target_device() -> tuple[str, str]:
 
 def resolve(impl: str, dtype, documents: bool = False, seq: int = 0) -> str:
     """The backend `impl` names for inputs of `dtype` on the target platform ("auto" decided here); `documents`:
-    whether segment ids mask documents (cuDNN cannot: see the module doc); `seq`: the sequence length."""
+    whether segment ids mask documents (cuDNN through its packed layout on GPU, see the module doc); `seq`: the
+    sequence length."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention_impl must be one of {IMPLEMENTATIONS}, got {impl!r}.")
     if impl != "auto":
