@@ -38,9 +38,11 @@ class CommandError(Exception):
 BAD_INPUT_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 """Python's own errors that mean bad input when they reach a command: the message names the path."""
 
+PARITY = 'pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu, then pip install -e ".[parity]"'
+"""torch's CPU build first (PyPI's default torch is a multi-GB CUDA build), then the parity extra (transformers)."""
 EXTRAS = {
-    "torch": "pip install torch==2.13.0 'transformers>=5.13'",
-    "transformers": "pip install torch==2.13.0 'transformers>=5.13'",
+    "torch": PARITY,
+    "transformers": PARITY,
     "lm_eval": 'pip install -e ".[lm-eval]"',
     "gcsfs": 'pip install -e ".[cloud]"',
     "s3fs": 'pip install -e ".[cloud]"',
