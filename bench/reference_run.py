@@ -485,17 +485,27 @@ def as_run_dir(c: Curves, path: Path) -> Path:
     return path
 
 
-def verdict(a: Path, b: Path, png: Path) -> dict:
-    """`olmo3eqx-compare A B`: its printout, and which run (if any) it says shows the memorisation signature."""
-    out = subprocess.run([sys.executable, "-m", "olmo3eqx.tools.compare", str(a), str(b), "--out", str(png)],
-                         capture_output=True, text=True, cwd=REPO, env=child_env())
+def verdict(a: Path, b: Path, png: Path, windows: int) -> dict:
+    """`olmo3eqx-compare A B --windows W`: its printout, which run (if any) it says shows the memorisation signature
+    in the last window, which it rates better there, and the runs it names in earlier windows."""
+    out = subprocess.run([sys.executable, "-m", "olmo3eqx.tools.compare", str(a), str(b), "--out", str(png),
+                          "--windows", str(windows)], capture_output=True, text=True, cwd=REPO, env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"olmo3eqx-compare failed ({out.returncode}): {out.stderr.strip()}")
-    last = [line for line in out.stdout.splitlines() if "signature" in line.lower()][-1]
+    lines = out.stdout.splitlines()
+    last = next(line for line in lines if line.startswith(("MEMORISATION SIGNATURE in run", "no memorisation")))
+    earlier = [line for line in lines if line.startswith("earlier, MEMORISATION SIGNATURE in run")]
     flagged = "A" if "SIGNATURE in run A" in last else "B" if "SIGNATURE in run B" in last else None
     better = next((run for run in "AB" if f"run {run}'s train loss" in last), None) if "real improvement" in last \
         else None
-    return {"flagged": flagged, "better": better, "line": last, "printout": out.stdout}
+    return {"flagged": flagged, "better": better, "line": last, "earlier": earlier,
+            "earlier_flagged": sorted({line.split("in run ")[1][0] for line in earlier}), "printout": out.stdout}
+
+
+def compare_windows(plan: Plan, stage: int) -> int:
+    """olmo3eqx-compare's windows for a stage: one per held-out evaluation, so an episode as short as the interval
+    between two evaluations (the fault's head start, ~100 steps) is judged on its own."""
+    return max(1, plan.stage_steps(stage) // plan.eval_every)
 
 
 def check_gates(clean: dict[int, dict], replays: dict[int, dict], fault: dict | None) -> dict[str, dict]:
@@ -519,9 +529,11 @@ def check_gates(clean: dict[int, dict], replays: dict[int, dict], fault: dict | 
                                 "seen": min(gaps), "holds": min(gaps) > GATES["heldout"]}
         verdicts = list(fault["verdicts"].values())
         out["fault_verdict"] = {
-            "limit": "olmo3eqx-compare flags the faulty run (A) or rates OLMo-core's (B) the better one, each stage",
-            "seen": " | ".join(v["line"] for v in verdicts),
-            "holds": all(v["flagged"] == "A" or v["better"] == "B" for v in verdicts)}
+            "limit": "olmo3eqx-compare names the faulty run's (A's) memorisation signature in some window of some "
+                     "stage, and at each stage's end flags it or rates OLMo-core's (B) the better one",
+            "seen": " | ".join([*(e for v in verdicts for e in v.get("earlier", [])), *(v["line"] for v in verdicts)]),
+            "holds": any(v["flagged"] == "A" or "A" in v.get("earlier_flagged", []) for v in verdicts)
+            and all(v["flagged"] == "A" or v["better"] == "B" for v in verdicts)}
     return out
 
 
@@ -645,9 +657,10 @@ def plot(sides: dict[str, dict[int, Curves]], clean: dict[int, dict], fault: dic
         text = [f"olmo3eqx-compare A B (A = ours with the fault, B = OLMo-core)"]
         for stage in stages:
             v = fault["verdicts"][str(stage)]
-            text += ["", f"stage {stage}:", fill(v["line"], 58)]
-        row[3].text(0, 0.5, "\n".join(text), fontsize=8, va="center", family="monospace",
-                    color="red" if any(v["flagged"] for v in fault["verdicts"].values()) else "black")
+            text += ["", f"stage {stage}:", *(fill(e, 58) for e in v.get("earlier", [])), fill(v["line"], 58)]
+        row[3].text(0, 0.5, "\n".join(text), fontsize=7, va="center", family="monospace",
+                    color="red" if any(v["flagged"] or v.get("earlier_flagged")
+                                       for v in fault["verdicts"].values()) else "black")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=72)
@@ -803,7 +816,8 @@ def report(work: Path, out: Path) -> int:
         for stage in (1, 2):
             a = as_run_dir(sides[name][stage], work / "compare" / f"{name}-stage{stage}")
             b = as_run_dir(sides["olmo-core"][stage], work / "compare" / f"olmo-core-stage{stage}")
-            verdicts[label][str(stage)] = verdict(a, b, work / "compare" / f"{label}-stage{stage}.png")
+            verdicts[label][str(stage)] = verdict(a, b, work / "compare" / f"{label}-stage{stage}.png",
+                                                  compare_windows(plan, stage))
     fault_report = None
     if fault:
         fault_report = {"shards": plan.shards,
@@ -841,6 +855,8 @@ def report(work: Path, out: Path) -> int:
                   f"{r['max_abs_loss_diff']:.3g}")
     for label, by_stage in verdicts.items():
         for s, v in by_stage.items():
+            for e in v["earlier"]:
+                print(f"olmo3eqx-compare, {label} stage {s}: {e}")
             print(f"olmo3eqx-compare, {label} stage {s}: {v['line']}")
     for name, g in gates.items():
         print(f"gate {name}: {'holds' if g['holds'] else 'FAILS'} (limit {g['limit']}, seen {g['seen']})")

@@ -17,22 +17,25 @@ STEPS = 400
 
 
 def write_run(path: Path, *, train_shift: float, heldout_shift: float, task_shift: float | None = None,
-              tokens_per_step: int = 1024, seed: int = 0, every: int = 50, steps: int = STEPS) -> Path:
+              tokens_per_step: int = 1024, seed: int = 0, every: int = 50, steps: int = STEPS,
+              early: tuple[int, float, float] | None = None) -> Path:
     """A run whose train loss is a decaying curve plus noise, shifted by `train_shift` after step 100, and whose
     held-out losses (two sets) follow it shifted by `heldout_shift`, and a task's bpb (proportional to it) and
-    accuracy (its primary metric) shifted by `task_shift` (default: the held-out shift)."""
+    accuracy (its primary metric) shifted by `task_shift` (default: the held-out shift). `early` = (until, train,
+    held-out): up to step `until` after step 100, these shifts instead (of train loss, and of held-out and task)."""
     task_shift = heldout_shift if task_shift is None else task_shift
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     with open(path / "metrics.jsonl", "w") as f:
         for s in range(10, steps + 1, 10):
             base = 2.0 + 3.0 * math.exp(-s / 80)
-            shift = train_shift if s > 100 else 0.0
+            now = early is not None and 100 < s <= early[0]
+            shift = early[1] if now else train_shift if s > 100 else 0.0
             f.write(json.dumps({"step": s, "time": 0.0, "train/loss": base + shift + rng.normal(0, 0.005),
                                 "train/tokens": s * tokens_per_step}) + "\n")
             if s % every == 0:
-                h = heldout_shift if s > 100 else 0.0
-                d = task_shift if s > 100 else 0.0
+                h = early[2] if now else heldout_shift if s > 100 else 0.0
+                d = early[2] if now else task_shift if s > 100 else 0.0
                 f.write(json.dumps({"step": s, "time": 0.0, "eval/c4_en/loss": base + 0.1 + h,
                                     "eval/c4_en/ppl": math.exp(base + 0.1 + h), "eval/wiki/loss": base + 0.3 + h,
                                     "eval/downstream/arc/acc": 0.3 - d / 10, "eval/downstream/arc/primary": 0.3 - d / 10,
@@ -68,6 +71,28 @@ def test_memorisation_signature_is_classified(tmp_path, a_kwargs, b_kwargs, verd
     assert ("disagree" in c.reason) == (a_kwargs.get("task_shift") is not None)
     last = c.deltas["train/loss"][-1]
     assert last == pytest.approx(a_kwargs["train_shift"] - b_kwargs["train_shift"], abs=0.02)
+
+
+def test_a_signature_in_an_earlier_window_is_named_beside_the_last_window_s_verdict(tmp_path, capsys):
+    # Repeated data as the reference run's fault shows it: A trains 0.25 lower over steps 100-200 while its held-out
+    # loss is 0.05 worse, then falls behind in both (it never read most of the data). The last window's verdict
+    # rates B better; the earlier window names A's signature.
+    write_run(tmp_path / "A", train_shift=0.2, heldout_shift=0.2, early=(200, -0.25, 0.05))
+    write_run(tmp_path / "B", train_shift=0.0, heldout_shift=0.0, seed=1)
+    c = compare.compare(compare.series(tmp_path / "A"), compare.series(tmp_path / "B"), windows=4)
+    assert c.verdict is None and c.reason.endswith("a real improvement") and "run B's train loss" in c.reason
+    assert [(i, run) for i, run, _ in c.earlier] == [(2, "A")], c.earlier  # windows 10-107.5, 107.5-205, ...
+    assert "memorisation or repeated data" in c.earlier[0][2]
+    # Printed just before the verdict line, with the window's range.
+    assert compare.main([str(tmp_path / "A"), str(tmp_path / "B"), "--out", str(tmp_path / "ab.png")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(printed) if line.startswith("earlier,"))
+    assert printed[i].startswith("earlier, MEMORISATION SIGNATURE in run A in window 2 (107.5-205): run A's")
+    assert printed[i + 1].startswith("no memorisation signature: run B's train loss is")
+    # No episode, no earlier line: a run better throughout has none.
+    write_run(tmp_path / "C", train_shift=-0.25, heldout_shift=-0.22)
+    c = compare.compare(compare.series(tmp_path / "C"), compare.series(tmp_path / "B"), windows=8)
+    assert c.earlier == [] and c.verdict is None
 
 
 def test_alignment_by_tokens(tmp_path):

@@ -123,6 +123,36 @@ def test_gates_read_the_steps_both_sides_updated_alike(harness):
     assert not run.check_gates({2: g}, {2: {"first_differing_step": None}}, None)["skips"]["holds"]
 
 
+def test_the_fault_gate_holds_only_when_compare_names_the_faulty_run(harness, tmp_path):
+    """The fault as the full run showed it (docs/reproduction.md): the faulty run trains lower for its first ~100
+    steps while its held-out loss is already worse, then falls behind in both. With a window per evaluation,
+    olmo3eqx-compare names its signature in the first window and rates OLMo-core's run better in the last; judged
+    on one window only it would merely rate OLMo-core's better, and the gate does not hold on that."""
+    run, _ = harness
+    steps, evals = np.arange(1, 401), np.arange(0, 401, 50)
+
+    def side(loss, heldout):
+        train = {k: np.ones(400) for k in run.TRAIN} | {"train/loss": loss, "train/skipped": np.zeros(400)}
+        return run.Curves(steps, train, evals, {"code": heldout, "prose": heldout + 0.2})
+
+    ref = 2.0 + 3.0 * np.exp(-steps / 80)
+    ref_held = 2.1 + 3.0 * np.exp(-evals / 80)
+    fault = ref + np.where(steps <= 100, -0.05, 0.3)
+    fault_held = ref_held + np.where(evals == 0, 0.0, np.where(evals <= 100, 0.03, 0.3))
+    a = run.as_run_dir(side(fault, fault_held), tmp_path / "fault")
+    b = run.as_run_dir(side(ref, ref_held), tmp_path / "olmo-core")
+    named = run.verdict(a, b, tmp_path / "8.png", windows=8)
+    assert named["earlier_flagged"] == ["A"] and named["flagged"] is None and named["better"] == "B", named
+    assert named["earlier"][0].startswith("earlier, MEMORISATION SIGNATURE in run A in window 1 (1-50.88): run A")
+    unnamed = run.verdict(a, b, tmp_path / "1.png", windows=1)
+    assert unnamed["earlier_flagged"] == [] and unnamed["better"] == "B", unnamed
+    clean = {1: run.gaps(side(ref, ref_held), side(ref, ref_held))}
+    gap = run.gaps(side(fault, fault_held), side(ref, ref_held))
+    gate = lambda v: run.check_gates(clean, {1: {}}, {"gaps": {1: gap}, "verdicts": {"1": v}})  # noqa: E731
+    assert gate(named)["fault_verdict"]["holds"] and gate(named)["fault_heldout"]["holds"]
+    assert not gate(unnamed)["fault_verdict"]["holds"]
+
+
 def test_data_is_the_default_corpus_split_into_the_stages_mixes_and_held_out_sets(harness, tmp_path):
     """The data step reads the archive the package ships (it once read a function the corpus no longer has, and
     only the slow end-to-end run and CI's reference run found out)."""
@@ -175,6 +205,7 @@ def test_the_harness_runs_both_sides_both_stages_with_kills_and_the_fault(harnes
         assert s["lr_rel_max"] < 1e-6 and s["skipped"]["ours"] == s["skipped"]["olmo_core"]
         assert s["train_loss_rel_max"] <= run.GATES["train_loss_rel"]
         assert report["verdicts"]["clean"][stage]["flagged"] is None
+        assert report["verdicts"]["clean"][stage]["earlier_flagged"] == []
     assert all(report["gates"][g]["holds"] for g in ("train_loss_rel", "heldout", "skips"))
     assert code == (0 if all(g["holds"] for g in report["gates"].values()) else 1)
     assert "gate train_loss_rel: holds" in printed and (out / "reference_run.png").stat().st_size > 50_000

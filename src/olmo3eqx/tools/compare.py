@@ -11,7 +11,10 @@ A run's points are its metrics.jsonl plus, for steps and metrics it lacks, the e
   windows, each delta A minus B of the two runs' mean in that window;
 - the verdict on the last window holding held-out (or downstream) points of both runs, with the rule the OLMo 3
   reproduction's repeated-data bug taught: one run's train loss clearly lower while its held-out loss and its
-  downstream bits per byte are not (equal or worse) is memorisation (or repeated data), not better modelling.
+  downstream bits per byte are not (equal or worse) is memorisation (or repeated data), not better modelling;
+  and every earlier window where the same rule finds the signature (repeated data can look like progress only
+  for a while: a small model shown each batch several times in a row trains lower at first, then falls behind
+  for the data it never reads; more windows, `--windows`, resolve shorter episodes).
   Downstream is judged on each task's `bpb` (a held-out loss on the tasks' gold answers, lower is better): its
   relative gain must follow the relative train gain; accuracies are shown, not judged (at small scale they sit
   at chance, and the seed's runs never differed by more than 0.005 in them).
@@ -142,6 +145,7 @@ class Comparison:
     deltas: dict[str, list[float]]  # metric -> A - B per window
     verdict: str | None  # "A", "B" or None: which run shows the memorisation signature
     reason: str
+    earlier: list[tuple[int, str, str]] = field(default_factory=list)  # (window, run, reason): signatures before
     heldout: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)  # every downstream metric both runs log
     matches: dict[str, Match] = field(default_factory=dict)
@@ -163,9 +167,18 @@ def compare(a: dict, b: dict, *, x: str = "step", windows: int = 4) -> Compariso
     levels = {k: [0.5 * (window_mean(a[k], edges[i], edges[i + 1], i == 0) +
                          window_mean(b[k], edges[i], edges[i + 1], i == 0)) for i in range(windows)]
               for k in (TRAIN, *(k for k in tasks if metric_of(k) == "bpb"))}
-    verdict, reason = judge(deltas, levels, held, [k for k in tasks if metric_of(k) == "bpb"])
+    bpb = [k for k in tasks if metric_of(k) == "bpb"]
+    verdict, reason = judge(deltas, levels, held, bpb)
+    earlier = [(i + 1, run, why) for i in usable_windows(deltas, held + bpb)[:-1]
+               for run, why in [judge_window(deltas, levels, held, bpb, i)] if run is not None]
     matches = {k: m for k in [TRAIN, *held, *tasks] if (m := matching(a[k], b[k])) is not None}
-    return Comparison(x, edges, deltas, verdict, reason, held, tasks, matches)
+    return Comparison(x, edges, deltas, verdict, reason, earlier, held, tasks, matches)
+
+
+def usable_windows(deltas: dict[str, list[float]], judged: list[str]) -> list[int]:
+    """The windows where the train delta and every judged (held-out, downstream bpb) delta are known."""
+    return [i for i in range(len(deltas[TRAIN]))
+            if math.isfinite(deltas[TRAIN][i]) and all(math.isfinite(deltas[k][i]) for k in judged)]
 
 
 def judge(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: list[str],
@@ -174,11 +187,15 @@ def judge(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: 
     judged = held + bpb
     if not judged:
         return None, "no held-out loss or downstream task logged by both runs: cannot tell memorisation from progress"
-    usable = [i for i in range(len(deltas[TRAIN]))
-              if math.isfinite(deltas[TRAIN][i]) and all(math.isfinite(deltas[k][i]) for k in judged)]
+    usable = usable_windows(deltas, judged)
     if not usable:
         return None, "no window holds held-out or downstream points of both runs"
-    i = usable[-1]
+    return judge_window(deltas, levels, held, bpb, usable[-1])
+
+
+def judge_window(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: list[str],
+                 bpb: list[str], i: int) -> tuple[str | None, str]:
+    """The signature in window `i` (0-based; every judged delta known there): the run it names, or None, and why."""
     train = deltas[TRAIN][i]
     if abs(train) <= TRAIN_TOL:
         return None, f"train losses agree (delta {train:+.4f} in window {i + 1})"
@@ -226,7 +243,9 @@ def format_table(c: Comparison) -> str:
         lines.append(f"{n:<{width}}" + "".join(f"{v:>+{col}.4f}" if math.isfinite(v) else f"{'-':>{col}}"
                                                for v in c.deltas[n]))
     sig = f"MEMORISATION SIGNATURE in run {c.verdict}: " if c.verdict else "no memorisation signature: "
-    return "\n".join(lines + ["", sig + c.reason])
+    before = [f"earlier, MEMORISATION SIGNATURE in run {run} in window {i} ({labels[i - 1]}): {why}"
+              for i, run, why in c.earlier]
+    return "\n".join(lines + ["", *before, sig + c.reason])
 
 
 def plot_panels(a: dict, b: dict, keys: list[str], titles: list[str], c: Comparison, names: tuple[str, str],
