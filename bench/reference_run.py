@@ -531,8 +531,8 @@ def check_gates(clean: dict[int, dict], replays: dict[int, dict], fault: dict | 
         out["fault_verdict"] = {
             "limit": "olmo3eqx-compare names the faulty run's (A's) memorisation signature in some window of some "
                      "stage, and at each stage's end flags it or rates OLMo-core's (B) the better one",
-            "seen": " | ".join([*(e for v in verdicts for e in v.get("earlier", [])), *(v["line"] for v in verdicts)]),
-            "holds": any(v["flagged"] == "A" or "A" in v.get("earlier_flagged", []) for v in verdicts)
+            "seen": " | ".join([*(e for v in verdicts for e in v["earlier"]), *(v["line"] for v in verdicts)]),
+            "holds": any(v["flagged"] == "A" or "A" in v["earlier_flagged"] for v in verdicts)
             and all(v["flagged"] == "A" or v["better"] == "B" for v in verdicts)}
     return out
 
@@ -657,9 +657,9 @@ def plot(sides: dict[str, dict[int, Curves]], clean: dict[int, dict], fault: dic
         text = [f"olmo3eqx-compare A B (A = ours with the fault, B = OLMo-core)"]
         for stage in stages:
             v = fault["verdicts"][str(stage)]
-            text += ["", f"stage {stage}:", *(fill(e, 58) for e in v.get("earlier", [])), fill(v["line"], 58)]
+            text += ["", f"stage {stage}:", *(fill(e, 58) for e in v["earlier"]), fill(v["line"], 58)]
         row[3].text(0, 0.5, "\n".join(text), fontsize=7, va="center", family="monospace",
-                    color="red" if any(v["flagged"] or v.get("earlier_flagged")
+                    color="red" if any(v["flagged"] or v["earlier_flagged"]
                                        for v in fault["verdicts"].values()) else "black")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

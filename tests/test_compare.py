@@ -89,6 +89,13 @@ def test_a_signature_in_an_earlier_window_is_named_beside_the_last_window_s_verd
     i = next(i for i, line in enumerate(printed) if line.startswith("earlier,"))
     assert printed[i].startswith("earlier, MEMORISATION SIGNATURE in run A in window 2 (107.5-205): run A's")
     assert printed[i + 1].startswith("no memorisation signature: run B's train loss is")
+    # Without a held-out loss or a downstream task nothing is judged, in any window: a lower train loss alone is
+    # not the signature.
+    for run in ("A", "B"):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        (tmp_path / run / "metrics.jsonl").write_text("\n".join(x for x in lines if "train/loss" in x) + "\n")
+    c = compare.compare(compare.series(tmp_path / "A"), compare.series(tmp_path / "B"), windows=4)
+    assert c.earlier == [] and c.verdict is None and "cannot tell" in c.reason
     # No episode, no earlier line: a run better throughout has none.
     write_run(tmp_path / "C", train_shift=-0.25, heldout_shift=-0.22)
     c = compare.compare(compare.series(tmp_path / "C"), compare.series(tmp_path / "B"), windows=8)

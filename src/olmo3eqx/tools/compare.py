@@ -164,33 +164,30 @@ def compare(a: dict, b: dict, *, x: str = "step", windows: int = 4) -> Compariso
     windowed = [TRAIN, *held, *(k for k in tasks if metric_of(k) in ("primary", "bpb"))]
     deltas = {k: [window_mean(a[k], edges[i], edges[i + 1], i == 0) - window_mean(b[k], edges[i], edges[i + 1], i == 0)
                   for i in range(windows)] for k in windowed}
+    bpb = [k for k in tasks if metric_of(k) == "bpb"]
     levels = {k: [0.5 * (window_mean(a[k], edges[i], edges[i + 1], i == 0) +
                          window_mean(b[k], edges[i], edges[i + 1], i == 0)) for i in range(windows)]
-              for k in (TRAIN, *(k for k in tasks if metric_of(k) == "bpb"))}
-    bpb = [k for k in tasks if metric_of(k) == "bpb"]
-    verdict, reason = judge(deltas, levels, held, bpb)
-    earlier = [(i + 1, run, why) for i in usable_windows(deltas, held + bpb)[:-1]
-               for run, why in [judge_window(deltas, levels, held, bpb, i)] if run is not None]
+              for k in (TRAIN, *bpb)}
+    verdict, reason, earlier = judge(deltas, levels, held, bpb)
     matches = {k: m for k in [TRAIN, *held, *tasks] if (m := matching(a[k], b[k])) is not None}
     return Comparison(x, edges, deltas, verdict, reason, earlier, held, tasks, matches)
 
 
-def usable_windows(deltas: dict[str, list[float]], judged: list[str]) -> list[int]:
-    """The windows where the train delta and every judged (held-out, downstream bpb) delta are known."""
-    return [i for i in range(len(deltas[TRAIN]))
-            if math.isfinite(deltas[TRAIN][i]) and all(math.isfinite(deltas[k][i]) for k in judged)]
-
-
 def judge(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: list[str],
-          bpb: list[str]) -> tuple[str | None, str]:
-    """The signature on the last window where every held-out (and downstream bpb) delta is known."""
+          bpb: list[str]) -> tuple[str | None, str, list[tuple[int, str, str]]]:
+    """The signature on the last window where every held-out (and downstream bpb) delta is known (the run it names
+    or None, and why), and every earlier such window that shows it (1-based window, run, why)."""
     judged = held + bpb
     if not judged:
-        return None, "no held-out loss or downstream task logged by both runs: cannot tell memorisation from progress"
-    usable = usable_windows(deltas, judged)
+        return (None, "no held-out loss or downstream task logged by both runs: cannot tell memorisation from "
+                "progress", [])
+    usable = [i for i in range(len(deltas[TRAIN]))
+              if math.isfinite(deltas[TRAIN][i]) and all(math.isfinite(deltas[k][i]) for k in judged)]
     if not usable:
-        return None, "no window holds held-out or downstream points of both runs"
-    return judge_window(deltas, levels, held, bpb, usable[-1])
+        return None, "no window holds held-out or downstream points of both runs", []
+    earlier = [(i + 1, run, why) for i in usable[:-1]
+               for run, why in [judge_window(deltas, levels, held, bpb, i)] if run is not None]
+    return (*judge_window(deltas, levels, held, bpb, usable[-1]), earlier)
 
 
 def judge_window(deltas: dict[str, list[float]], levels: dict[str, list[float]], held: list[str],
