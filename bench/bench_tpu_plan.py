@@ -116,12 +116,12 @@ def preset_remat(rows: list[dict], error: float) -> tuple[dict | None, dict | No
 def markdown(rows: list[dict], chosen: dict | None) -> str:
     """The docs' table of one config's cells on one topology (docs/tpu-gpu.md), the preset's choice in bold."""
     out = ["| heads | remat | tensor | splash | per device x accumulation | flags | GiB per device (spare) | step "
-           "| TFLOP/s | MFU | MaxText count |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TFLOP/s | MFU | MaxText count | compile |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         remat = f"**`{r['remat']}`**" if r is chosen else f"`{r['remat']}`"
         mem = f"{r['mem']} ({r['spare_gib']})" if r["spare_gib"] else r["mem"]
         out.append(f"| {r['heads']} | {remat} | {r['tensor']} | {r['blocks']} | {r['batch']} | {r['flags']} | {mem} "
-                   f"| {r['step']} s | {r['tflops']} | {r['mfu']}% | {r['maxtext']} |")
+                   f"| {r['step']} s | {r['tflops']} | {r['mfu']}% | {r['maxtext']} | {int(r['compile']):,} s |")
     return "\n".join(out)
 
 

@@ -31,7 +31,8 @@ def stored(name: str) -> dict:
 
 
 def stored_or_none(name: str) -> dict:
-    """A results file that may not be stored yet (the plans: docs/tpu-gpu.md#plans says its tables have none)."""
+    """A results file that may not be stored in a checkout that trims docs/results/ (the presets' rule then has no
+    plan behind any chip)."""
     return stored(name) if (RESULTS / name).is_file() else {}
 
 
@@ -77,6 +78,20 @@ def test_every_prediction_states_the_stored_spread():
     low, high = bench_tpu_validate.spread(saved)
     assert costmodel.PUBLISHED == (len(bench_tpu_validate.ratios(saved)), round(low, 2), round(high, 2))
     assert f"predicted {low:.2f} to {high:.2f} times the measured throughput" in (REPO / "README.md").read_text()
+
+
+def test_the_docs_plan_tables_are_the_stored_ones():
+    """Every (preset, slice) of docs/results/tpu_plan.json is in docs/tpu-gpu.md as `bench_tpu_plan.py --markdown`
+    prints it, every cell, the preset's choice under the error rule in bold; the docs have no plan table besides."""
+    plans = stored("tpu_plan.json")
+    error = bench_tpu_validate.model_error(stored("tpu_validation.json"))
+    text = DOCS.read_text()
+    pairs = sorted({tuple(key.split("/")[:2]) for key in plans})
+    for preset, topology in pairs:
+        table = bench_tpu_plan.docs_table(plans, preset, topology, heads_of(preset), error)
+        assert table in text, f"docs/tpu-gpu.md lacks the stored plan of {preset} on {topology}"
+    header = bench_tpu_plan.markdown([], None).splitlines()[0]
+    assert text.count(header) == len(pairs)
 
 
 def heads_of(preset: str) -> str:
