@@ -100,5 +100,5 @@ def pytest_terminal_summary(terminalreporter):
     for reason, nodeids in by_reason.items():
         more = f" and {len(nodeids) - 2} more" if len(nodeids) > 2 else ""
         terminalreporter.line(f"{reason}: {len(nodeids)} skipped ({', '.join(nodeids[:2])}{more})", red=True)
-    terminalreporter.line(f"{len(_disallowed_skips)} skipped for a reason outside tests/conftest.py's ALLOWED_SKIPS: that fails "
-                          "this run: install what they need, or allow the reason there with why.", red=True)
+    terminalreporter.line(f"{len(_disallowed_skips)} skipped for a reason outside tests/conftest.py's ALLOWED_SKIPS, "
+                          "which fails this run: install what they need, or allow the reason there with why.", red=True)
