@@ -7,10 +7,11 @@ import warnings
 import numpy as np
 import pytest
 
+from olmo3eqx import exits
 from olmo3eqx.config import DataConfig
 from olmo3eqx.data import DataError, build_train_iterator
-from olmo3eqx.data.order import OurOrder, epoch_permutation
-from olmo3eqx.data.pipeline import global_order, shard_rows
+from olmo3eqx.data.order import ORDER_VERSIONS, OurOrder, epoch_permutation
+from olmo3eqx.data.pipeline import build_order, global_order, shard_rows
 from olmo3eqx.data.source import TokenSource
 
 SEQ = 16
@@ -72,6 +73,43 @@ def test_epoch_permutation_is_a_permutation():
     perm = epoch_permutation(np.arange(1000), num_instances=1000, seed=3, epoch=1)
     assert not np.array_equal(perm, np.arange(1000))
     assert not np.array_equal(perm, epoch_permutation(np.arange(1000), num_instances=1000, seed=4, epoch=1))
+
+
+# The default order's first global batches, pinned: (seed, instances, global batch, processes) -> global batches 0-2,
+# each process reading its contiguous slice of them.
+PINNED_BATCHES = {
+    (0, 20, 8, 2): [[2, 16, 4, 5, 10, 7, 6, 19], [9, 18, 0, 11, 8, 3, 15, 12],
+                    [16, 14, 10, 8, 2, 19, 15, 13]],  # 2 batches per epoch: batch 2 opens epoch 1
+    (34521, 1_000_003, 6, 3): [[622073, 85470, 408868, 657025, 473851, 464330],  # OLMo 3 stage 1's data seed
+                               [90937, 522097, 759192, 806095, 753989, 239077],
+                               [343746, 160753, 230604, 894982, 248680, 826468]],
+    (1234, 700_000_000, 4, 4): [[470280176, 126747322, 86023984, 445422544],  # about the 7B's stage-1 instances
+                                [24390260, 272516101, 265766870, 698683336],
+                                [273197042, 495638217, 456023076, 129174027]],
+}
+ORDER_CHANGED = ("data.order ours now puts other instances in these batches, so a run resumed across the change would "
+                 "read other data than its order promised: if the change is meant, bump ORDER_VERSIONS['ours'] "
+                 "(data/order.py), which resume refuses across, and pin the new batches here.")
+
+
+@pytest.mark.parametrize("seed, num_instances, global_batch, processes", PINNED_BATCHES)
+def test_the_default_orders_first_batches_are_pinned(seed, num_instances, global_batch, processes):
+    order = build_order(DataConfig(), num_instances, seq_len=SEQ, global_batch=global_batch, seed=seed,
+                        index_dir=None)
+    pinned = PINNED_BATCHES[seed, num_instances, global_batch, processes]
+    got = [[shard_rows(global_order(order), shard_index=p, shard_count=processes)[r].tolist()
+            for p in range(processes)] for r in range(len(pinned))]
+    assert got == [[part.tolist() for part in np.split(np.array(row), processes)] for row in pinned], ORDER_CHANGED
+    assert ORDER_VERSIONS["ours"] == 1, "a new version of ours: pin its batches above"
+
+
+def test_the_iterator_yields_the_pinned_batches(tmp_path):
+    (seed, num_instances, global_batch, processes), pinned = next(iter(PINNED_BATCHES.items()))
+    path = write_tokens(tmp_path / "tokens.npy", np.arange(num_instances * SEQ) % VOCAB)
+    iters = [build_train_iterator(DataConfig(paths=(path,), token_dtype="uint16"), seq_len=SEQ,
+                                  global_batch=global_batch, seed=seed, shard_index=p, shard_count=processes,
+                                  vocab_size=VOCAB) for p in range(processes)]
+    assert [row.tolist() for row in global_rows(iters, len(pinned))] == pinned, ORDER_CHANGED
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -297,7 +335,11 @@ def test_state_of_another_run(files, index_dir):
         build(config(files, max_target_seq_len=2 * SEQ), state=state)
     with pytest.raises(DataError, match="seed=0 but this run has seed=5"):
         build(config(files), seed=5, state=state)
-    del state["order"], state["max_target_seq_len"]  # a state written before these fields: our order, no target
+    with pytest.raises(DataError, match="version 0 of data.order ours but this olmo3eqx computes version 1") as e:
+        build(config(files), state=state | {"order_version": 0})
+    assert e.value.code == exits.BAD_INPUT
+    # A state written before these fields: our order, its first version, no target.
+    del state["order"], state["order_version"], state["max_target_seq_len"]
     assert build(config(files), state=state).batches_consumed == 0
 
 

@@ -30,6 +30,11 @@ from olmo3eqx.errors import DataError
 
 FEISTEL_ROUNDS = 6
 """Rounds of the keyed Feistel network behind each epoch's permutation (ours)."""
+ORDER_VERSIONS = {"ours": 1, "olmo-core": 1}
+"""Version of each order's mapping from global batch to instance ids, stored in the data-iterator state: a change to
+which instances any batch holds must bump it (tests/test_data_pipeline.py pins ours' first batches), and a resume
+refuses a state of another version (data/pipeline.py). olmo-core follows OLMo-core's NumpyFSLDataLoader, whose
+index files carry their own version (v1 in their names)."""
 INDEX_DTYPE = np.dtype(np.uint32)
 """OLMo-core stores its global indices as uint32 (so it refuses 2**32 - 1 instances or more)."""
 

@@ -21,7 +21,7 @@ from olmo3eqx.config import DataConfig
 from olmo3eqx.data.corpus import default_corpus
 from olmo3eqx.data.filters import repeated_ngram_mask
 from olmo3eqx.data.mixes import resolve_mix
-from olmo3eqx.data.order import OlmoCoreOrder, OurOrder
+from olmo3eqx.data.order import ORDER_VERSIONS, OlmoCoreOrder, OurOrder
 from olmo3eqx.data.packed import PackedSource, segment_ids
 from olmo3eqx.data.source import TokenSource, expand_paths
 from olmo3eqx.errors import DataError
@@ -183,6 +183,7 @@ class TrainIterator:
         return {
             "version": STATE_VERSION,
             "order": self.order_name,
+            "order_version": ORDER_VERSIONS[self.order_name],
             "seed": self.seed,
             "seq_len": self.seq_len,
             "max_target_seq_len": self.max_target_seq_len,
@@ -197,7 +198,7 @@ class TrainIterator:
         }
 
 
-STATE_DEFAULTS = {"order": "ours", "max_target_seq_len": None, "packing": None}
+STATE_DEFAULTS = {"order": "ours", "order_version": 1, "max_target_seq_len": None, "packing": None}
 """What a state written before these fields existed meant."""
 
 
@@ -211,6 +212,12 @@ def _check_state(state: dict, run: dict, fingerprint: list[list], allow_mismatch
         if saved != value:
             raise DataError(f"The checkpoint's data state has {name}={saved} but this run has {name}={value}; "
                             f"resume with the checkpoint's {name}.")
+    order = run["order"]
+    version = state.get("order_version", STATE_DEFAULTS["order_version"])
+    if version != ORDER_VERSIONS[order]:
+        raise DataError(f"The checkpoint's data state is version {version} of data.order {order} but this olmo3eqx "
+                        f"computes version {ORDER_VERSIONS[order]}, which puts other instances in the batches; resume "
+                        f"with the olmo3eqx that wrote the checkpoint, or start a new run.")
     saved = [list(f) for f in state["fingerprint"]]
     if saved != fingerprint:
         diff = next((f"{a} != {b}" for a, b in zip(saved, fingerprint) if a != b),
