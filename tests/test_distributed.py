@@ -44,17 +44,19 @@ def clean_env() -> dict:
 @pytest.fixture
 def env(monkeypatch):
     """This process's environment without any launcher's variables; returns a setter for a launcher's."""
-    for k in list(os.environ):
-        if k.startswith(LAUNCH_VARS):
-            monkeypatch.delenv(k)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.setenv("no_proxy", "127.0.0.1")
     monkeypatch.setattr(distributed, "launched", Launch())
 
-    def set_vars(**values):
+    def set_vars(clear=False, **values):
+        """Set a launcher's variables (`clear`: first remove those an earlier call set)."""
+        for k in list(os.environ) if clear else ():
+            if k.startswith(LAUNCH_VARS):
+                monkeypatch.delenv(k)
         for k, v in values.items():
             monkeypatch.setenv(k, str(v))
 
+    set_vars(clear=True)
     return set_vars
 
 
@@ -214,6 +216,8 @@ def test_a_gke_tpu_multislice_jobset_is_found_through_its_variables(tpu_vm, env,
 @pytest.mark.parametrize("values,match", [
     (dict(SLURM_STEP, SLURM_NTASKS=48, SLURM_PROCID=4, SLURM_LOCALID=1, SLURM_NODEID=1,
           SLURM_STEP_TASKS_PER_NODE="3(x16)", CUDA_VISIBLE_DEVICES=EIGHT), "cannot be split evenly among its 3"),
+    (dict(SLURM_STEP, SLURM_NTASKS=128, SLURM_PROCID=4, SLURM_LOCALID=4, SLURM_NODEID=0, SLURM_GPUS_ON_NODE=6,
+          SLURM_STEP_TASKS_PER_NODE="8(x16)", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5"), "The 6 GPUs of this node"),
     (dict(OMPI_COMM_WORLD_SIZE=16, OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_LOCAL_RANK=0),
      "Open MPI started 16 processes"),
     (dict(SLURM_STEP, SLURM_NTASKS=2, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_STEP_TASKS_PER_NODE="1,x"),
@@ -241,7 +245,7 @@ def test_the_device_count_is_checked_against_the_launcher(counts, problem):
     assert got == problem if problem is None else got.startswith(problem)
 
 
-def test_check_devices_reads_this_process(monkeypatch):
+def test_check_devices_reads_this_process():
     import jax
 
     distributed.check_devices(Launch())
@@ -306,22 +310,19 @@ def driven(launch: Launch, visible: str) -> list[str]:
     return seen if launch.local_device_ids is None else [seen[i] for i in launch.local_device_ids]
 
 
-def every_gpu_once(env, monkeypatch, task_env, nodes: int, tasks: int, gpus: int) -> None:
+def every_gpu_once(env, task_env, nodes: int, tasks: int, gpus: int) -> None:
     for node in (0, nodes - 1):
         used = []
         for local in range(tasks):
             values = task_env(node, local)
-            for k in list(os.environ):
-                if k.startswith(LAUNCH_VARS):
-                    monkeypatch.delenv(k)
-            env(**values)
+            env(clear=True, **values)
             launch = distributed.detect(DistConfig())
             assert (launch.num_processes, launch.process_id) == (nodes * tasks, node * tasks + local)
             used += driven(launch, values.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))))
         assert sorted(used, key=int) == [str(g) for g in range(gpus)], f"node {node}: {used}"
 
 
-def test_the_sbatch_recipes_use_every_gpu_once(env, calls, monkeypatch):
+def test_the_sbatch_recipes_use_every_gpu_once(env, calls):
     """Both sbatch scripts on the page, and the one-task-per-GPU script with --gpus-per-task=1 as the page says:
     each node's GPUs driven by exactly one of its tasks each, and the run as many GPUs as SLURM announces."""
     recipes = sbatch_recipes()
@@ -330,15 +331,14 @@ def test_the_sbatch_recipes_use_every_gpu_once(env, calls, monkeypatch):
     for opts, payload in recipes:
         assert payload[:2] == ["python", "train.py"]
         nodes, tasks, gpus = (int(opts[k]) for k in ("nodes", "ntasks-per-node", "gpus-per-node"))
-        every_gpu_once(env, monkeypatch, lambda n, t: slurm_task_env(opts, n, t), nodes, tasks, gpus)
+        every_gpu_once(env, lambda n, t: slurm_task_env(opts, n, t), nodes, tasks, gpus)
         assert distributed.announced() == (nodes * gpus, f"SLURM_GPUS_ON_NODE={gpus} x {nodes} nodes")
     assert calls == []
 
 
-def test_the_mpirun_recipes_use_every_gpu_once(env, calls, monkeypatch):
+def test_the_mpirun_recipes_use_every_gpu_once(env, calls):
     """Open MPI 4 (found by JAX through OMPI_MCA_orte_hnp_uri) and 5 (-x JAX_COORDINATOR_ADDRESS)."""
-    lines = [line for block in doc_blocks("bash") if block.startswith("mpirun")
-             for line in [block.replace("\\\n", " ")]]
+    lines = [b.replace("\\\n", " ") for b in doc_blocks("bash") if b.startswith("mpirun")]
     assert len(lines) == 2
     for line in lines:
         words = shlex.split(line)
@@ -354,7 +354,7 @@ def test_the_mpirun_recipes_use_every_gpu_once(env, calls, monkeypatch):
                 ompi["OMPI_MCA_orte_hnp_uri"] = "1531576320.0;tcp://10.96.0.1:34911"
             return ompi
 
-        every_gpu_once(env, monkeypatch, task_env, nodes, per_node, 8)
+        every_gpu_once(env, task_env, nodes, per_node, 8)
         launch = distributed.detect(DistConfig())
         assert launch.coordinator_address == exported.get("JAX_COORDINATOR_ADDRESS", "10.96.0.1:62624")
 
@@ -370,23 +370,30 @@ def test_the_tpu_vm_recipe_runs_one_process_per_worker(tpu_vm, calls):
                 launch.local_device_ids) == ("gcloud TPU VM", 4, worker, "10.130.0.1:8482", None)
 
 
-def test_the_jobset_recipe_gives_each_pod_its_process(env, calls, monkeypatch):
+def test_the_jobset_recipe_gives_each_pod_its_process(env, calls):
     (doc,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "kind: JobSet" in b]
     job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
     (container,) = job["template"]["spec"]["containers"]
     assert job["completionMode"] == "Indexed" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
     for index in (0, job["parallelism"] - 1):
-        for k in list(os.environ):
-            if k.startswith(LAUNCH_VARS):
-                monkeypatch.delenv(k)
         values = {}
         for var in container["env"]:  # the completion-index annotation as Kubernetes fills it
             assert "value" in var or "job-completion-index" in var["valueFrom"]["fieldRef"]["fieldPath"]
             values[var["name"]] = var.get("value", index)
-        env(**values, KUBERNETES_SERVICE_HOST="10.0.0.1", JOB_COMPLETION_INDEX=index)
+        env(clear=True, **values, KUBERNETES_SERVICE_HOST="10.0.0.1", JOB_COMPLETION_INDEX=index)
         launch = distributed.detect(DistConfig())
         assert (launch.num_processes, launch.process_id, launch.local_device_ids) == (job["parallelism"], index, None)
         assert launch.coordinator_address == values["JAX_COORDINATOR_ADDRESS"]
+
+
+def test_the_explicit_recipe_gives_each_process_its_id(env, calls):
+    (block,) = [b for b in doc_blocks("bash") if b.startswith("for i in 0 1")]
+    words = shlex.split(block.replace("\\\n", " ").splitlines()[1])
+    for i in (0, 1):
+        env(clear=True, **dict(w.replace("$i", str(i)).split("=", 1) for w in words if w.startswith("JAX_")))
+        launch = distributed.detect(DistConfig())
+        assert (launch.launcher, launch.num_processes, launch.process_id, launch.coordinator_address,
+                launch.local_device_ids) == (distributed.EXPLICIT, 2, i, "127.0.0.1:12345", None)
 
 
 # --- two processes under a simulated SLURM step -------------------------------------------------------------

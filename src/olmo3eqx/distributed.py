@@ -12,8 +12,8 @@ whether libtpu found TPU chips), so on a laptop or a CI runner deciding costs a 
 Which devices: JAX's detection gives each SLURM or Open MPI process one GPU (`[local rank]`), right for one task
 per GPU and wrong for one task per node, where a process would drive one of its node's 8 GPUs. Here the GPUs a
 process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NODE) are split evenly among the
-tasks of its node; a process bound to its own GPUs (fewer visible than the node's, or fewer than the node's
-tasks) drives every one it sees. A TPU host drives all its chips (JAX's rule); JAX_LOCAL_DEVICE_IDS overrides.
+tasks of its node; a process bound to its own GPUs (it sees fewer than SLURM_GPUS_ON_NODE, or, where nothing
+counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips (JAX's rule); JAX_LOCAL_DEVICE_IDS overrides.
 CPU collectives between processes use gloo (JAX's default).
 """
 
@@ -100,8 +100,12 @@ def gpu_share(tasks_here: int | None, local_rank: int, visible: int | None,
         return (local_rank,)  # JAX's own choice: one GPU per task
     if not visible:
         return None  # nothing says how many GPUs (or none: a CPU run): the process drives what it sees
-    if tasks_here == 1 or visible < tasks_here or (on_node is not None and visible < on_node):
-        return tuple(range(visible))  # alone on the node, or bound by the launcher to its own GPUs
+    # Bound by the launcher to its own GPUs: it sees fewer than the step has on the node (SLURM_GPUS_ON_NODE counts
+    # the step's GPUs there, CUDA_VISIBLE_DEVICES this task's), or, where nothing counts the node's, fewer than
+    # the node has tasks.
+    bound = visible < on_node if on_node is not None else visible < tasks_here
+    if tasks_here == 1 or bound:
+        return tuple(range(visible))
     if visible % tasks_here:
         raise ConfigError(f"The {visible} GPUs of this node cannot be split evenly among its {tasks_here} tasks; "
                           "launch one task per node or one task per GPU.")
