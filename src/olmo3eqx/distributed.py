@@ -4,8 +4,8 @@ a device.
 
 Which launcher: explicit `dist.*` flags or JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID, or Open
 MPI's OMPI_COMM_WORLD_SIZE/RANK); else the first cluster JAX's own detection finds (jax._src.clusters, in JAX's
-order: Open MPI through mpirun's OMPI_MCA_orte_hnp_uri, a SLURM step, a GKE TPU pod, a gcloud TPU VM through the
-metadata server, an indexed Kubernetes Job); else one process. A cluster of one process runs as one process (no
+order: Open MPI through mpirun's OMPI_MCA_orte_hnp_uri, a SLURM step, a gcloud TPU VM through the metadata
+server, a GKE TPU pod, an indexed Kubernetes Job); else one process. A cluster of one process runs as one process (no
 coordination service, no port taken). Off a TPU VM JAX's TPU detection asks no metadata server (it looks first at
 whether libtpu found TPU chips), so on a laptop or a CI runner deciding costs a few environment look-ups.
 
@@ -13,8 +13,8 @@ Which devices: JAX's detection gives each SLURM or Open MPI process one GPU (`[l
 per GPU and wrong for one task per node, where a process would drive one of its node's 8 GPUs. Here the GPUs a
 process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NODE) are split evenly among the
 tasks of its node; a process bound to its own GPUs (it sees fewer than SLURM_GPUS_ON_NODE, or, where nothing
-counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips (JAX's rule); JAX_LOCAL_DEVICE_IDS overrides.
-CPU collectives between processes use gloo (JAX's default).
+counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips
+(JAX's rule); JAX_LOCAL_DEVICE_IDS overrides. CPU collectives between processes use gloo (JAX's default).
 """
 
 from __future__ import annotations
