@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 OTHER_TOOLS = {"pip", "hf", "tmux", "cd", "mkdocs", "tensorboard", "wait", "sudo", "apt", "git", "export", "source", ".", "srun",
-               "gcloud"}
+               "gcloud", "mpirun", "sbatch", "curl", "sh", "uv"}
 """Programs the docs may show that are not ours (their flags are their authors' business)."""
 SHELL_WORDS = {"do", "then", "else", "{", "}", "(", ")"}
 SEPARATORS = {";", "&&", "||", "|", "&", ";;"}
@@ -60,7 +60,7 @@ def shell_blocks(path: Path) -> list[tuple[int, str]]:
 def simple_commands(script: str) -> list[list[str]]:
     """The simple commands of a shell snippet: continuations joined, comments dropped, split at ; && || | &,
     leading VAR=value assignments and shell keywords removed, `for` headers skipped, gcloud's --command and
-    srun's and `tmux new-session`'s payloads unpacked."""
+    srun's, mpirun's and `tmux new-session`'s payloads unpacked."""
     commands = []
     for line in script.replace("\\\n", " ").splitlines():
         lex = shlex.shlex(line, posix=True, punctuation_chars=";&|")
@@ -86,7 +86,7 @@ def simple_commands(script: str) -> list[list[str]]:
         if cmd[0] == "tmux" and cmd[1:2] == ["new-session"]:
             out += simple_commands(cmd[-1])
             continue
-        if cmd[0] == "srun":
+        if cmd[0] in ("srun", "mpirun"):
             starts = [i for i, t in enumerate(cmd) if t == "python" or t.startswith("olmo3eqx-")]
             if starts:
                 out.append(cmd[starts[0]:])
@@ -125,7 +125,7 @@ def entry(cmd: list[str]):
         script = ROOT / cmd[1]
         assert script.is_file(), f"{cmd[1]} is not a file of this repository"
         return (lambda: runpy.run_path(str(script), run_name="__main__")), [str(script), *cmd[2:]]
-    if prog in OTHER_TOOLS:
+    if prog in OTHER_TOOLS or Path(prog).name in OTHER_TOOLS:  # ~/.local/bin/uv too
         return None
     raise AssertionError(f"{prog!r} is neither one of our commands nor in OTHER_TOOLS")
 
@@ -250,12 +250,13 @@ for i in 0 1; do
 done; wait
 gcloud compute tpus tpu-vm ssh v --worker=all --command "cd d && .venv/bin/python train.py --run.dir gs://b/r"
 srun --nodes=16 --gpus-per-node=8 python train.py --config c.yaml
+mpirun -np 2 -x A=b python train.py --config m.yaml
 gcloud x --command "cd d && tmux new-session -d -s t '.venv/bin/python train.py --run.dir gs://b/r --until-done'\""""
     assert simple_commands(script) == [
         ["python", "train.py", "--a", "1", "--b", "2"], ["pip", "install", "-e", ".[tpu]"],
         ["python", "train.py", "--steps", "20"], ["wait"], ["cd", "d"],
         [".venv/bin/python", "train.py", "--run.dir", "gs://b/r"], ["python", "train.py", "--config", "c.yaml"],
-        ["cd", "d"], [".venv/bin/python", "train.py", "--run.dir", "gs://b/r", "--until-done"]]
+        ["python", "train.py", "--config", "m.yaml"], ["cd", "d"], [".venv/bin/python", "train.py", "--run.dir", "gs://b/r", "--until-done"]]
 
 
 def test_config_reference_covers_every_field():

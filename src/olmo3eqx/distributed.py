@@ -1,46 +1,236 @@
-"""`jax.distributed` initialisation from the config or the environment; must run before anything touches devices.
+"""`jax.distributed` initialisation: which launcher started this process, which of its host's devices it drives,
+and a refusal when the devices the run got are not the ones the launcher announced. Runs before anything touches
+a device.
 
-Order: explicit `dist.*` flags or `JAX_COORDINATOR_ADDRESS` + `JAX_NUM_PROCESSES` + `JAX_PROCESS_ID`; otherwise
-JAX's own cluster auto-detection (SLURM, TPU pods, GKE, Open MPI) when such a cluster is visible; otherwise one
-process. CPU collectives between processes use gloo (JAX's default).
+Which launcher: explicit `dist.*` flags or JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID, or Open
+MPI's OMPI_COMM_WORLD_SIZE/RANK); else the first cluster JAX's own detection finds (jax._src.clusters, in JAX's
+order: Open MPI through mpirun's OMPI_MCA_orte_hnp_uri, a SLURM step, a gcloud TPU VM through the metadata
+server, a GKE TPU pod, an indexed Kubernetes Job); else one process. A cluster of one process runs as one process (no
+coordination service, no port taken). Off a TPU VM JAX's TPU detection asks no metadata server (it looks first at
+whether libtpu found TPU chips), so on a laptop or a CI runner deciding costs a few environment look-ups.
+
+Which devices: JAX's detection gives each SLURM or Open MPI process one GPU (`[local rank]`), right for one task
+per GPU and wrong for one task per node, where a process would drive one of its node's 8 GPUs. Here the GPUs a
+process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NODE) are split evenly among the
+tasks of its node; a process bound to its own GPUs (it sees fewer than SLURM_GPUS_ON_NODE, or, where nothing
+counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips
+(JAX's rule); JAX_LOCAL_DEVICE_IDS overrides. CPU collectives between processes use gloo (JAX's default).
 """
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
 from olmo3eqx.config import DistConfig
 from olmo3eqx.errors import ConfigError
 
-# Variables whose presence means a cluster JAX can auto-detect (a multi-task SLURM step, an Open MPI launch,
-# a TPU pod worker, a Kubernetes JobSet).
-CLUSTER_ENV = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS",
-               "JOBSET_NAME")
+EXPLICIT = "explicit coordinator address"
+LAUNCHERS = {"OmpiCluster": "Open MPI", "SlurmCluster": "SLURM", "GkeTpuCluster": "GKE TPU",
+             "GceTpuCluster": "gcloud TPU VM", "K8sCluster": "Kubernetes Job"}
+"""JAX's cluster classes (jax._src.clusters) by the name the startup line gives them."""
 
 
-def initialize(cfg: DistConfig) -> bool:
-    """Initialise multi-process JAX if the config or environment asks for it; True when it did."""
-    import jax
+@dataclass(frozen=True)
+class Launch:
+    """How this process joins the run: what `jax.distributed.initialize` receives, and what the launcher
+    announced that the devices the run gets can be checked against."""
 
+    launcher: str = "one process"
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_address: str | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    """The GPUs (ordinals among those the process sees) it drives; None: every device it sees."""
+    announced_devices: int | None = None
+    """The run's accelerator count as the launcher announced it (SLURM: SLURM_GPUS_ON_NODE x the step's nodes)."""
+    announced_by: str = ""
+    """Where `announced_devices` comes from, for the refusal's sentence."""
+
+
+launched = Launch()
+"""This process's Launch, once `initialize` ran (describe and check_devices read it)."""
+
+
+def ints(value: str | None) -> int | None:
+    return int(value) if value not in (None, "") else None
+
+
+def visible_gpus() -> int | None:
+    """How many GPUs this process sees, as the launcher says (None: nothing says)."""
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS"):
+        value = os.environ.get(var)
+        if value is not None:
+            return 0 if value.strip() in ("", "NoDevFiles") else len([v for v in value.split(",") if v.strip()])
+    return ints(os.environ.get("SLURM_GPUS_ON_NODE"))
+
+
+def slurm_tasks_here() -> int | None:
+    """The tasks of this SLURM step on this node, from SLURM_STEP_TASKS_PER_NODE ('2(x3),1': two tasks on each
+    of the first three nodes, one on the fourth) and SLURM_NODEID."""
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return ints(os.environ.get("SLURM_NTASKS_PER_NODE"))
+    per_node = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={spec!r} is not SLURM's 'tasks(xnodes),...' form.")
+        per_node += [int(m.group(1))] * int(m.group(2) or 1)
+    node = ints(os.environ.get("SLURM_NODEID")) or 0
+    return per_node[node] if node < len(per_node) else None
+
+
+def node_tasks() -> tuple[int | None, int] | None:
+    """(tasks on this node, this task's rank among them) from SLURM's or Open MPI's variables; None when neither
+    launched this process."""
+    if "SLURM_LOCALID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return slurm_tasks_here(), int(os.environ["SLURM_LOCALID"])
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+        return ints(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")), int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    return None
+
+
+def gpu_share(tasks_here: int | None, local_rank: int, visible: int | None,
+              on_node: int | None) -> tuple[int, ...] | None:
+    """The GPUs a process drives, as ordinals among the `visible` it sees, when `tasks_here` tasks share its node
+    (`on_node`: the node's GPUs for this step, when the launcher says); None: every device it sees."""
+    if tasks_here is None or (visible is None and tasks_here > 1):
+        return (local_rank,)  # JAX's own choice: one GPU per task
+    if not visible:
+        return None  # nothing says how many GPUs (or none: a CPU run): the process drives what it sees
+    # Bound by the launcher to its own GPUs: it sees fewer than the step has on the node (SLURM_GPUS_ON_NODE counts
+    # the step's GPUs there, CUDA_VISIBLE_DEVICES this task's), or, where nothing counts the node's, fewer than
+    # the node has tasks.
+    bound = visible < on_node if on_node is not None else visible < tasks_here
+    if tasks_here == 1 or bound:
+        return tuple(range(visible))
+    if visible % tasks_here:
+        raise ConfigError(f"The {visible} GPUs of this node cannot be split evenly among its {tasks_here} tasks; "
+                          "launch one task per node or one task per GPU.")
+    share = visible // tasks_here
+    return tuple(range(local_rank * share, (local_rank + 1) * share))
+
+
+def local_devices() -> tuple[int, ...] | None:
+    """The devices this process drives: JAX_LOCAL_DEVICE_IDS, else its share of its node's GPUs when SLURM or
+    Open MPI started it, else None (every device it sees)."""
+    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return tuple(int(i) for i in os.environ["JAX_LOCAL_DEVICE_IDS"].split(","))
+    tasks = node_tasks()
+    if tasks is None:
+        return None
+    return gpu_share(*tasks, visible_gpus(), ints(os.environ.get("SLURM_GPUS_ON_NODE")))
+
+
+def announced() -> tuple[int | None, str]:
+    """The run's GPU count as SLURM announced it: SLURM_GPUS_ON_NODE x the step's nodes."""
+    per_node, nodes = (ints(os.environ.get(v)) for v in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_NUM_NODES"))
+    if per_node is None or nodes is None or "SLURM_NTASKS" not in os.environ:
+        return None, ""
+    return per_node * nodes, f"SLURM_GPUS_ON_NODE={per_node} x {nodes} nodes"
+
+
+def cluster():
+    """The first cluster JAX's detection finds (a jax._src.clusters.ClusterEnv subclass), or None. An opt-in
+    method (mpi4py) is left out, as JAX leaves it out; a Kubernetes pod counts only as an indexed Job
+    (JOB_COMPLETION_INDEX, which JAX needs), so a pod that merely runs in Kubernetes (a CI runner) stays one
+    process without asking the Kubernetes API."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method or (env is clusters.K8sCluster and "JOB_COMPLETION_INDEX" not in os.environ):
+            continue
+        if env.is_env_present():
+            return env
+    return None
+
+
+def detect(cfg: DistConfig) -> Launch:
+    """What `jax.distributed.initialize` is to receive, from the config, the environment or JAX's cluster
+    detection; touches no device."""
+    ids = local_devices()
+    total, by = announced()
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    timeouts = dict(initialization_timeout=cfg.initialization_timeout, heartbeat_timeout_seconds=cfg.heartbeat_timeout)
     if address:
-        num = cfg.num_processes if cfg.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
-        pid = cfg.process_id if cfg.process_id is not None else os.environ.get("JAX_PROCESS_ID")
+        num = cfg.num_processes if cfg.num_processes is not None else (
+            os.environ.get("JAX_NUM_PROCESSES") or os.environ.get("OMPI_COMM_WORLD_SIZE"))
+        pid = cfg.process_id if cfg.process_id is not None else (
+            os.environ.get("JAX_PROCESS_ID") or os.environ.get("OMPI_COMM_WORLD_RANK"))
         if num is None or pid is None:
             raise ConfigError("A coordinator address is set but the process count or id is not; set "
                               "JAX_NUM_PROCESSES and JAX_PROCESS_ID (or --dist.num-processes/--dist.process-id) "
                               "for every process.")
-        jax.distributed.initialize(address, num_processes=int(num), process_id=int(pid), **timeouts)
-        return True
-    if any(os.environ.get(v) not in (None, "", "1") for v in CLUSTER_ENV[:2]) or any(v in os.environ for v in CLUSTER_ENV[2:]):
-        jax.distributed.initialize(**timeouts)
-        return True
-    return False
+        return Launch(EXPLICIT, int(num), int(pid), address, ids, total, by)
+    env = cluster()
+    if env is None:
+        if (ints(os.environ.get("OMPI_COMM_WORLD_SIZE")) or 1) > 1:
+            raise ConfigError(f"Open MPI started {os.environ['OMPI_COMM_WORLD_SIZE']} processes but says nothing "
+                              "JAX can find their coordinator by (Open MPI 5 sets no OMPI_MCA_orte_hnp_uri); pass "
+                              "-x JAX_COORDINATOR_ADDRESS=<first host>:<port> to mpirun.")
+        return Launch()
+    name = LAUNCHERS.get(env.__name__, env.__name__)
+    num = env.get_process_count()
+    if num == 1:
+        return Launch(name, local_device_ids=ids, announced_devices=total, announced_by=by)
+    address = env.get_coordinator_address(timeout_secs=cfg.initialization_timeout,
+                                          override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
+    return Launch(name, num, env.get_process_id(), address, ids, total, by)
+
+
+def initialize(cfg: DistConfig) -> Launch:
+    """Initialise multi-process JAX when the config or a launcher asks for it (`jax.distributed.initialize` with
+    every argument resolved here, JAX's own detection switched off so it cannot narrow the devices again)."""
+    global launched
+    import jax
+
+    launch = detect(cfg)
+    if launch.num_processes > 1 or launch.launcher == EXPLICIT:
+        ids = list(launch.local_device_ids) if launch.local_device_ids is not None else None
+        jax.distributed.initialize(coordinator_address=launch.coordinator_address,
+                                   num_processes=launch.num_processes,
+                                   process_id=launch.process_id, local_device_ids=ids,
+                                   cluster_detection_method="deactivate",
+                                   initialization_timeout=cfg.initialization_timeout,
+                                   heartbeat_timeout_seconds=cfg.heartbeat_timeout)
+    launched = launch
+    return launch
+
+
+def device_mismatch(launch: Launch, processes: int, local: int, total: int, platform: str) -> str | None:
+    """Why the devices the run got are not the ones its launcher meant it to have (one sentence), or None."""
+    if processes != launch.num_processes:
+        return (f"The launcher ({launch.launcher}) started {launch.num_processes} processes but JAX counts "
+                f"{processes}; every process must join the same run.")
+    if total != processes * local:
+        return (f"This process drives {local} devices but the run has {total} over {processes} processes, not "
+                f"{processes * local}: each process must drive as many devices as every other.")
+    if launch.announced_devices is not None and platform == "gpu" and total != launch.announced_devices:
+        return (f"The run has {total} GPUs but the launcher ({launch.launcher}) announced "
+                f"{launch.announced_devices} ({launch.announced_by}); launch one task per node or one per GPU so "
+                "every GPU is used once.")
+    return None
+
+
+def check_devices(launch: Launch | None = None) -> None:
+    """Refuse (ConfigError, exit 2) a run whose devices are not the ones its launcher announced."""
+    import jax
+
+    problem = device_mismatch(launch or launched, jax.process_count(), jax.local_device_count(),
+                              jax.device_count(), jax.devices()[0].platform)
+    if problem:
+        raise ConfigError(problem)
 
 
 def describe() -> str:
+    """The startup line: processes, local and global devices (and, with several processes, the launcher and the
+    devices this process drives)."""
     import jax
 
-    return (f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local / "
+    line = (f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local / "
             f"{jax.device_count()} global devices ({jax.devices()[0].device_kind})")
+    if jax.process_count() > 1:
+        ids = launched.local_device_ids
+        line += f"; {launched.launcher}" + (f", GPUs {','.join(map(str, ids))} of this host" if ids else "")
+    return line

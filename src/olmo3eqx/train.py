@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     host_note = "\n".join(filter(None, [host_note, precision_note])) or None
     from olmo3eqx import distributed
 
-    distributed.initialize(cfg.dist)
+    distributed.check_devices(distributed.initialize(cfg.dist))  # refused (exit 2) unless every chip is used once
     if cfg.dry_run:
         dry_run(cfg, opts.target)
         return exits.OK

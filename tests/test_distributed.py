@@ -1,0 +1,462 @@
+"""Every launcher gets all its chips, exactly once (olmo3eqx.distributed).
+
+Each launcher's environment is simulated (the variables SLURM and Open MPI set, a metadata server on loopback
+answering as a gcloud TPU VM's does, a GKE TPU multislice JobSet's variables, explicit variables) and what
+`jax.distributed.initialize` receives is recorded; its address, process count and id are compared with JAX's own
+detection (`ClusterEnv.auto_detect_unset_distributed_params`), which differs only in the devices a SLURM or Open
+MPI process drives. The recipes of docs/multi-host.md are read from the page and simulated: every GPU of a node
+is driven by exactly one process. The device-count refusal is checked on numbers and, with two CPU processes
+joined over loopback under a simulated two-node SLURM step, end to end (nothing here ran on a real cluster)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from jax._src import clusters
+from jax._src.clusters import cloud_tpu_cluster
+
+from olmo3eqx import distributed
+from olmo3eqx.config import DistConfig
+from olmo3eqx.distributed import Launch
+from olmo3eqx.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_VARS = ("SLURM_", "OMPI_", "PMI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JOB_COMPLETION_INDEX", "JOBSET_",
+               "CUDA_VISIBLE_DEVICES", "GCE_METADATA_IP", "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT",
+               "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+EIGHT = ",".join(map(str, range(8)))
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """This process's environment without any launcher's variables; returns a setter for a launcher's."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    monkeypatch.setattr(distributed, "launched", Launch())
+
+    def set_vars(clear=False, **values):
+        """Set a launcher's variables (`clear`: first remove those an earlier call set)."""
+        for k in list(os.environ) if clear else ():
+            if k.startswith(LAUNCH_VARS):
+                monkeypatch.delenv(k)
+        for k, v in values.items():
+            monkeypatch.setenv(k, str(v))
+
+    set_vars(clear=True)
+    return set_vars
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """What jax.distributed.initialize receives (it is not run: this process's backend is the suite's)."""
+    got = []
+    monkeypatch.setattr("jax.distributed.initialize", lambda **kw: got.append(kw))
+    return got
+
+
+class Metadata(http.server.BaseHTTPRequestHandler):
+    """A GCE metadata server's instance attributes (what JAX's GceTpuCluster asks for), on loopback."""
+
+    attributes: dict[str, str] = {}
+    asked: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        key = self.path.rsplit("/", 1)[-1]
+        Metadata.asked.append(key)
+        ok = self.path.startswith("/computeMetadata/v1/instance/attributes/") and key in self.attributes
+        body = self.attributes.get(key, "").encode() if ok else b"not found"
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def tpu_vm(monkeypatch, env):
+    """This host as a TPU VM (libtpu found chips: JAX's running_in_cloud_tpu_vm) whose metadata server answers
+    with the attributes the test sets."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+    env(GCE_METADATA_IP=f"127.0.0.1:{server.server_address[1]}")
+    Metadata.asked = []
+
+    def answer(attributes: dict[str, str]):
+        Metadata.attributes = {"tpu-env": "ACCELERATOR_TYPE: 'v5p-32'\n", **attributes}
+
+    yield answer
+    server.shutdown()
+    server.server_close()
+
+
+def jax_own(timeout=300):
+    """(address, processes, id, local device ids) as JAX's own detection would pass them."""
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, timeout)
+
+
+SLURM_STEP = dict(SLURM_JOB_ID=4242, SLURM_STEP_NODELIST="gpu[001-016]", SLURM_JOB_NODELIST="gpu[001-016]",
+                  SLURM_STEP_NUM_NODES=16, SLURM_GPUS_ON_NODE=8)
+CASES = {  # name: (environment, received by jax.distributed.initialize (None: not called), JAX's own device ids)
+    "SLURM one task per node": (
+        dict(SLURM_STEP, SLURM_NTASKS=16, SLURM_PROCID=5, SLURM_LOCALID=0, SLURM_NODEID=5,
+             SLURM_STEP_TASKS_PER_NODE="1(x16)", CUDA_VISIBLE_DEVICES=EIGHT, SLURM_STEP_GPUS=EIGHT),
+        dict(coordinator_address="gpu001:61586", num_processes=16, process_id=5, local_device_ids=list(range(8))),
+        [0]),
+    "SLURM one task per GPU": (
+        dict(SLURM_STEP, SLURM_NTASKS=128, SLURM_PROCID=43, SLURM_LOCALID=3, SLURM_NODEID=5,
+             SLURM_STEP_TASKS_PER_NODE="8(x16)", CUDA_VISIBLE_DEVICES=EIGHT),
+        dict(coordinator_address="gpu001:61586", num_processes=128, process_id=43, local_device_ids=[3]), [3]),
+    "SLURM one task per GPU, bound (--gpus-per-task=1)": (
+        dict(SLURM_STEP, SLURM_NTASKS=128, SLURM_PROCID=43, SLURM_LOCALID=3, SLURM_NODEID=5,
+             SLURM_STEP_TASKS_PER_NODE="8(x16)", CUDA_VISIBLE_DEVICES="3", SLURM_STEP_GPUS="3"),
+        dict(coordinator_address="gpu001:61586", num_processes=128, process_id=43, local_device_ids=[0]), [3]),
+    "SLURM two tasks per node": (
+        dict(SLURM_STEP, SLURM_NTASKS=32, SLURM_PROCID=11, SLURM_LOCALID=1, SLURM_NODEID=5,
+             SLURM_STEP_TASKS_PER_NODE="2(x16)", CUDA_VISIBLE_DEVICES=EIGHT),
+        dict(coordinator_address="gpu001:61586", num_processes=32, process_id=11, local_device_ids=[4, 5, 6, 7]),
+        [1]),
+    "SLURM single task": (
+        dict(SLURM_STEP, SLURM_NTASKS=1, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NODEID=0,
+             SLURM_STEP_NUM_NODES=1, SLURM_STEP_TASKS_PER_NODE="1", CUDA_VISIBLE_DEVICES=EIGHT),
+        None, [0]),
+    "Open MPI 4 mpirun, one rank per node": (
+        dict(OMPI_MCA_orte_hnp_uri="1531576320.0;tcp://10.96.0.1,10.148.0.1:34911", OMPI_COMM_WORLD_SIZE=4,
+             OMPI_COMM_WORLD_RANK=2, OMPI_COMM_WORLD_LOCAL_RANK=0, OMPI_COMM_WORLD_LOCAL_SIZE=1),
+        dict(coordinator_address="10.96.0.1:62624", num_processes=4, process_id=2, local_device_ids=None), [0]),
+    "Open MPI 5 mpirun -x JAX_COORDINATOR_ADDRESS": (
+        dict(JAX_COORDINATOR_ADDRESS="node001:61234", OMPI_COMM_WORLD_SIZE=16, OMPI_COMM_WORLD_RANK=9,
+             OMPI_COMM_WORLD_LOCAL_RANK=0, OMPI_COMM_WORLD_LOCAL_SIZE=1, CUDA_VISIBLE_DEVICES=EIGHT),
+        dict(coordinator_address="node001:61234", num_processes=16, process_id=9, local_device_ids=list(range(8))),
+        None),
+    "explicit variables": (
+        dict(JAX_COORDINATOR_ADDRESS="10.0.0.1:1234", JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=1,
+             JAX_LOCAL_DEVICE_IDS="2,3"),
+        dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, local_device_ids=[2, 3]), None),
+    "a Kubernetes pod that is no indexed Job (a CI runner)": (
+        dict(KUBERNETES_SERVICE_HOST="10.0.0.1", KUBERNETES_SERVICE_PORT=443), None, None),
+    "a laptop": ({}, None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_what_each_launcher_passes_to_jax(name, env, calls):
+    values, want, jax_ids = CASES[name]
+    env(**values)
+    launch = distributed.initialize(DistConfig(initialization_timeout=7, heartbeat_timeout=9))
+    if want is None:
+        assert calls == [] and launch.num_processes == 1
+        return
+    assert calls == [dict(want, cluster_detection_method="deactivate", initialization_timeout=7,
+                          heartbeat_timeout_seconds=9)]
+    assert distributed.launched == launch
+    if jax_ids is not None:  # JAX's own detection: the same address, count and id; its device choice
+        assert jax_own() == (want["coordinator_address"], want["num_processes"], want["process_id"], jax_ids)
+
+
+def test_a_host_without_tpu_chips_asks_no_metadata_server(env, calls, monkeypatch):
+    """On a laptop or CI runner JAX's TPU detection is skipped before any request (running_in_cloud_tpu_vm is
+    False without libtpu chips): deciding that there is no cluster asks nothing of the network."""
+    def ask(key):
+        raise AssertionError(f"asked the metadata server for {key}")
+
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", ask)
+    assert distributed.detect(DistConfig()) == Launch() and calls == []
+
+
+ENDPOINTS = "0:w0:10.130.0.1,1:w1:10.130.0.2,2:w2:10.130.0.3,3:w3:10.130.0.4"  # the old name:id:ip form
+
+
+@pytest.mark.parametrize("tpu_env,want", [
+    ("ACCELERATOR_TYPE: 'v5p-32'\n", dict(coordinator_address="10.130.0.1:8482", num_processes=4, process_id=3)),
+    ("MEGASCALE_NUM_SLICES: '2'\nMEGASCALE_SLICE_ID: '1'\nMEGASCALE_COORDINATOR_ADDRESS: '10.130.0.9'\n",
+     dict(coordinator_address="10.130.0.9:8482", num_processes=8, process_id=7)),
+], ids=["slice", "multislice"])
+def test_a_gcloud_tpu_vm_is_found_through_its_metadata_server(tpu_vm, calls, tpu_env, want):
+    """`gcloud compute tpus tpu-vm create` sets no variable JAX reads; worker 3's metadata server says who it is."""
+    tpu_vm({"agent-worker-number": "3", "worker-network-endpoints": ENDPOINTS, "tpu-env": tpu_env})
+    launch = distributed.initialize(DistConfig(initialization_timeout=7))
+    assert launch.launcher == "gcloud TPU VM"
+    assert calls == [dict(want, local_device_ids=None, cluster_detection_method="deactivate",
+                          initialization_timeout=7, heartbeat_timeout_seconds=100)]
+    assert jax_own(7) == (want["coordinator_address"], want["num_processes"], want["process_id"], None)
+    assert "agent-worker-number" in Metadata.asked
+
+
+def test_a_gke_tpu_multislice_jobset_is_found_through_its_variables(tpu_vm, env, calls):
+    """JAX asks the metadata server first (its GceTpuCluster is defined before GkeTpuCluster); without a worker
+    number there (JAX's 6 tries, 3 s), the pod's variables decide."""
+    tpu_vm({})
+    env(TPU_WORKER_HOSTNAMES="10.8.0.1,10.8.0.2", TPU_WORKER_ID=1, MEGASCALE_NUM_SLICES=2, MEGASCALE_SLICE_ID=1,
+        MEGASCALE_COORDINATOR_ADDRESS="10.8.0.1", JOBSET_NAME="olmo3", KUBERNETES_SERVICE_HOST="10.0.0.1",
+        JOB_COMPLETION_INDEX=1)
+    launch = distributed.initialize(DistConfig())
+    assert launch.launcher == "GKE TPU" and set(Metadata.asked) == {"agent-worker-number"}
+    assert calls[0]["local_device_ids"] is None
+    assert (calls[0]["coordinator_address"], calls[0]["num_processes"], calls[0]["process_id"]) == (
+        "10.8.0.1:8482", 4, 3)
+
+
+@pytest.mark.parametrize("values,match", [
+    (dict(SLURM_STEP, SLURM_NTASKS=48, SLURM_PROCID=4, SLURM_LOCALID=1, SLURM_NODEID=1,
+          SLURM_STEP_TASKS_PER_NODE="3(x16)", CUDA_VISIBLE_DEVICES=EIGHT), "cannot be split evenly among its 3"),
+    (dict(SLURM_STEP, SLURM_NTASKS=128, SLURM_PROCID=4, SLURM_LOCALID=4, SLURM_NODEID=0, SLURM_GPUS_ON_NODE=6,
+          SLURM_STEP_TASKS_PER_NODE="8(x16)", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5"), "The 6 GPUs of this node"),
+    (dict(OMPI_COMM_WORLD_SIZE=16, OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_LOCAL_RANK=0),
+     "Open MPI started 16 processes"),
+    (dict(SLURM_STEP, SLURM_NTASKS=2, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_STEP_TASKS_PER_NODE="1,x"),
+     "SLURM's"),
+])
+def test_a_launch_that_cannot_use_every_gpu_once_is_refused(env, calls, values, match):
+    env(**values)
+    with pytest.raises(ConfigError, match=match):
+        distributed.initialize(DistConfig())
+    assert calls == []
+
+
+SLURM_16 = Launch("SLURM", 16, 5, "gpu001:61586", tuple(range(8)), 128, "SLURM_GPUS_ON_NODE=8 x 16 nodes")
+
+
+@pytest.mark.parametrize("counts,problem", [
+    ((16, 8, 128, "gpu"), None),
+    ((16, 1, 16, "gpu"), "The run has 16 GPUs but the launcher (SLURM) announced 128 (SLURM_GPUS_ON_NODE=8 x 16"),
+    ((16, 8, 121, "gpu"), "This process drives 8 devices but the run has 121 over 16 processes, not 128"),
+    ((1, 8, 8, "gpu"), "The launcher (SLURM) started 16 processes but JAX counts 1"),
+    ((16, 2, 32, "cpu"), None),  # a CPU run inside a GPU allocation: SLURM's GPU count says nothing of it
+])
+def test_the_device_count_is_checked_against_the_launcher(counts, problem):
+    got = distributed.device_mismatch(SLURM_16, *counts)
+    assert got == problem if problem is None else got.startswith(problem)
+
+
+def test_check_devices_reads_this_process():
+    import jax
+
+    distributed.check_devices(Launch())
+    with pytest.raises(ConfigError, match=f"started 2 processes but JAX counts {jax.process_count()}"):
+        distributed.check_devices(Launch("SLURM", 2))
+
+
+# --- the recipes of docs/multi-host.md ------------------------------------------------------------------------
+
+DOC = ROOT / "docs" / "multi-host.md"
+
+
+def doc_blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", DOC.read_text(), re.S | re.M)
+
+
+def options(words: list[str]) -> dict[str, str]:
+    """--name=value / --name value / -x value options (repeated ones joined by newlines)."""
+    out, i = {}, 0
+    while i < len(words):
+        w = words[i]
+        if w.startswith("-") and "=" in w and w.startswith("--"):
+            k, v = w.split("=", 1)
+        elif w.startswith("-") and i + 1 < len(words) and not words[i + 1].startswith("-"):
+            k, v, i = w, words[i + 1], i + 1
+        else:
+            k, v = w, ""
+        out[k.lstrip("-")] = (out[k.lstrip("-")] + "\n" + v) if k.lstrip("-") in out else v
+        i += 1
+    return out
+
+
+def sbatch_recipes() -> list[tuple[dict[str, str], list[str]]]:
+    """(#SBATCH and srun options, the srun payload) of every sbatch script on the page."""
+    recipes = []
+    for block in doc_blocks("bash"):
+        if "#SBATCH" not in block:
+            continue
+        opts = options([w for line in block.splitlines() if line.startswith("#SBATCH")
+                        for w in shlex.split(line)[1:]])
+        srun = shlex.split(next(line for line in block.splitlines() if line.startswith("srun ")))
+        start = srun.index("python")
+        recipes.append(({**opts, **options(srun[1:start])}, srun[start:]))
+    return recipes
+
+
+def slurm_task_env(opts: dict[str, str], node: int, local: int) -> dict:
+    """A task's environment as SLURM documents it for `srun` in an allocation made with `opts`: every task of a
+    node sees the node's GPUs, unless --gpus-per-task binds it to its own."""
+    nodes, tasks, gpus = int(opts["nodes"]), int(opts["ntasks-per-node"]), int(opts["gpus-per-node"])
+    per_task = int(opts.get("gpus-per-task", 0))
+    mine = list(range(local * per_task, (local + 1) * per_task)) if per_task else list(range(gpus))
+    return dict(SLURM_JOB_ID=777, SLURM_STEP_NODELIST=f"gpu[001-{nodes:03d}]", SLURM_NTASKS=nodes * tasks,
+                SLURM_PROCID=node * tasks + local, SLURM_LOCALID=local, SLURM_NODEID=node,
+                SLURM_STEP_NUM_NODES=nodes, SLURM_STEP_TASKS_PER_NODE=f"{tasks}(x{nodes})", SLURM_GPUS_ON_NODE=gpus,
+                SLURM_STEP_GPUS=",".join(map(str, mine)), CUDA_VISIBLE_DEVICES=",".join(map(str, mine)))
+
+
+def driven(launch: Launch, visible: str) -> list[str]:
+    """The physical GPUs a process drives: its local device ids index the GPUs it sees."""
+    seen = visible.split(",")
+    return seen if launch.local_device_ids is None else [seen[i] for i in launch.local_device_ids]
+
+
+def every_gpu_once(env, task_env, nodes: int, tasks: int, gpus: int) -> None:
+    for node in (0, nodes - 1):
+        used = []
+        for local in range(tasks):
+            values = task_env(node, local)
+            env(clear=True, **values)
+            launch = distributed.detect(DistConfig())
+            assert (launch.num_processes, launch.process_id) == (nodes * tasks, node * tasks + local)
+            used += driven(launch, values.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))))
+        assert sorted(used, key=int) == [str(g) for g in range(gpus)], f"node {node}: {used}"
+
+
+def test_the_sbatch_recipes_use_every_gpu_once(env, calls):
+    """Both sbatch scripts on the page, and the one-task-per-GPU script with --gpus-per-task=1 as the page says:
+    each node's GPUs driven by exactly one of its tasks each, and the run as many GPUs as SLURM announces."""
+    recipes = sbatch_recipes()
+    assert [int(o["ntasks-per-node"]) for o, _ in recipes] == [1, 8], "the page's two sbatch scripts"
+    recipes.append(({**recipes[1][0], "gpus-per-task": "1"}, recipes[1][1]))
+    for opts, payload in recipes:
+        assert payload[:2] == ["python", "train.py"]
+        nodes, tasks, gpus = (int(opts[k]) for k in ("nodes", "ntasks-per-node", "gpus-per-node"))
+        every_gpu_once(env, lambda n, t: slurm_task_env(opts, n, t), nodes, tasks, gpus)
+        assert distributed.announced() == (nodes * gpus, f"SLURM_GPUS_ON_NODE={gpus} x {nodes} nodes")
+    assert calls == []
+
+
+def test_the_mpirun_recipes_use_every_gpu_once(env, calls):
+    """Open MPI 4 (found by JAX through OMPI_MCA_orte_hnp_uri) and 5 (-x JAX_COORDINATOR_ADDRESS)."""
+    lines = [b.replace("\\\n", " ") for b in doc_blocks("bash") if b.startswith("mpirun")]
+    assert len(lines) == 2
+    for line in lines:
+        words = shlex.split(line)
+        opts = options(words[1:words.index("python")])
+        nodes, per_node = int(opts["np"]), int(opts["npernode"])
+        exported = dict(x.split("=", 1) for x in opts["x"].split("\n") if "=" in x)
+
+        def task_env(node, local):
+            rank = node * per_node + local
+            ompi = dict(OMPI_COMM_WORLD_SIZE=nodes * per_node, OMPI_COMM_WORLD_RANK=rank,
+                        OMPI_COMM_WORLD_LOCAL_RANK=local, OMPI_COMM_WORLD_LOCAL_SIZE=per_node, **exported)
+            if "JAX_COORDINATOR_ADDRESS" not in exported:  # Open MPI 4's ORTE
+                ompi["OMPI_MCA_orte_hnp_uri"] = "1531576320.0;tcp://10.96.0.1:34911"
+            return ompi
+
+        every_gpu_once(env, task_env, nodes, per_node, 8)
+        launch = distributed.detect(DistConfig())
+        assert launch.coordinator_address == exported.get("JAX_COORDINATOR_ADDRESS", "10.96.0.1:62624")
+
+
+def test_the_tpu_vm_recipe_runs_one_process_per_worker(tpu_vm, calls):
+    """The page's gcloud command runs train.py on every worker; each worker's metadata names it."""
+    cmd = next(shlex.split(b.replace("\\\n", " ")) for b in doc_blocks("bash") if b.startswith("gcloud compute tpus"))
+    assert "--worker=all" in cmd and "train.py" in cmd[cmd.index("--command") + 1]
+    for worker in (0, 3):
+        tpu_vm({"agent-worker-number": str(worker), "worker-network-endpoints": ENDPOINTS})
+        launch = distributed.detect(DistConfig())
+        assert (launch.launcher, launch.num_processes, launch.process_id, launch.coordinator_address,
+                launch.local_device_ids) == ("gcloud TPU VM", 4, worker, "10.130.0.1:8482", None)
+
+
+def test_the_jobset_recipe_gives_each_pod_its_process(env, calls):
+    (doc,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "kind: JobSet" in b]
+    job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+    (container,) = job["template"]["spec"]["containers"]
+    assert job["completionMode"] == "Indexed" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    for index in (0, job["parallelism"] - 1):
+        values = {}
+        for var in container["env"]:  # the completion-index annotation as Kubernetes fills it
+            assert "value" in var or "job-completion-index" in var["valueFrom"]["fieldRef"]["fieldPath"]
+            values[var["name"]] = var.get("value", index)
+        env(clear=True, **values, KUBERNETES_SERVICE_HOST="10.0.0.1", JOB_COMPLETION_INDEX=index)
+        launch = distributed.detect(DistConfig())
+        assert (launch.num_processes, launch.process_id, launch.local_device_ids) == (job["parallelism"], index, None)
+        assert launch.coordinator_address == values["JAX_COORDINATOR_ADDRESS"]
+
+
+def test_the_explicit_recipe_gives_each_process_its_id(env, calls):
+    (block,) = [b for b in doc_blocks("bash") if b.startswith("for i in 0 1")]
+    words = shlex.split(block.replace("\\\n", " ").splitlines()[1])
+    for i in (0, 1):
+        env(clear=True, **dict(w.replace("$i", str(i)).split("=", 1) for w in words if w.startswith("JAX_")))
+        launch = distributed.detect(DistConfig())
+        assert (launch.launcher, launch.num_processes, launch.process_id, launch.coordinator_address,
+                launch.local_device_ids) == (distributed.EXPLICIT, 2, i, "127.0.0.1:12345", None)
+
+
+# --- two processes under a simulated SLURM step -------------------------------------------------------------
+
+SCRIPT = """
+import sys
+from jax._src import xla_bridge
+from olmo3eqx import distributed, exits
+from olmo3eqx.config import DistConfig
+
+@exits.command
+def main():
+    distributed.check_devices(distributed.initialize(DistConfig(initialization_timeout=60, heartbeat_timeout=10)))
+    print(distributed.describe(), flush=True)
+    print("CUDA devices JAX may use:", xla_bridge.CUDA_VISIBLE_DEVICES.value, flush=True)
+
+sys.exit(main())
+"""
+
+
+def free_slurm_job_id() -> int:
+    """A job id whose SLURM port (JAX: 61440 + id % 4096) is free on loopback."""
+    for port in range(61440 + os.getpid() % 4000, 65536):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port - 61440
+    raise RuntimeError("no free port in SLURM's range")
+
+
+def slurm_step(devices: list[int]) -> list[tuple[int, str, str]]:
+    """A two-node SLURM step (one task per node, both on this host) whose tasks have `devices[i]` CPU devices
+    and see two 'GPUs' each; (exit code, stdout, stderr) of each."""
+    job = free_slurm_job_id()
+    procs = []
+    for i, n in enumerate(devices):
+        e = clean_env()
+        e.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+                 SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_JOB_NODELIST="localhost",
+                 SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
+                 SLURM_NODEID=str(i), SLURM_STEP_NUM_NODES="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                 SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1")
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        results.append((p.returncode, out, err))
+    return results
+
+
+def test_two_processes_under_a_simulated_slurm_step():
+    """Each process finds the step through JAX's SLURM detection and the run has 4 devices; JAX is told both
+    'GPUs' each process sees (its own detection would tell it '0': on a GPU node one of the two); with 2 devices
+    on one node and 1 on the other, both refuse (exit 2)."""
+    results = slurm_step([2, 2])
+    for i, (rc, out, err) in enumerate(results):
+        assert rc == 0, err[-2000:]
+        assert out.splitlines() == [f"process {i} of 2: 2 local / 4 global devices (cpu); SLURM, GPUs 0,1 of this host",
+                                    "CUDA devices JAX may use: 0,1"]
+    results = slurm_step([2, 1])
+    assert [rc for rc, _, _ in results] == [2, 2], [err[-2000:] for _, _, err in results]
+    assert "This process drives 2 devices but the run has 3 over 2 processes, not 4" in results[0][2]
+    assert "This process drives 1 devices but the run has 3 over 2 processes, not 2" in results[1][2]
