@@ -9,11 +9,12 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
 Readers that need part of a state (the moments for `init_from`, one leaf for conversion) restore just those
 top-level parts (`restore_parts`); nothing else is read. The model alone (`restore_model`: `init_from`, evaluation,
-generation, `load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers of the device
-shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one stored chunk
-(orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the weights at its
-peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py). save_model and
-save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are its device shards.
+generation, `load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers
+of the device shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one
+stored chunk (orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the
+weights at its peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py).
+save_model and save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are
+its device shards.
 
 A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
 background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
