@@ -354,6 +354,124 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(weights_only.opt_state[1].mu))
 
 
+HF_ROWS = 300
+"""The trimmed vocabulary of the HF model below: the e2e config's 384 rows are it padded to a multiple of 128, as
+OLMo-core pads the dolma2 tokenizer's 100,278 ids to the 100,352 rows it trains (and AI2's HF export keeps 100,278)."""
+
+
+@pytest.fixture(scope="module")
+def trimmed_hf(setup):
+    """(HF directory, converted checkpoint): a tiny transformers Olmo3 shaped as the e2e model but with HF_ROWS
+    vocabulary rows, saved and converted by convert.py hf-to-orbax."""
+    pytest.importorskip("transformers")
+    from olmo3eqx.tools.convert import main as convert, save_tiny_hf_model
+
+    base, _ = setup
+    hf_dir, ckpt = base / "hf-trimmed", base / "hf-trimmed-orbax"
+    plain = {"rope_type": "default", "rope_theta": 500000.0}
+    save_tiny_hf_model(hf_dir, vocab_size=HF_ROWS, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                       eos_token_id=256, pad_token_id=257,
+                       rope_parameters={"full_attention": plain, "sliding_attention": plain})
+    assert convert(["hf-to-orbax", "--hf-dir", str(hf_dir), "--out", str(ckpt), "--skip-parity"]) == 0
+    return hf_dir, ckpt
+
+
+def test_init_from_a_smaller_vocabulary_pads_it_and_trains(setup, trimmed_hf):
+    """Stage 2 from AI2's released weights, in small: a converted HF checkpoint of 300 rows starts a 384-row run. Its
+    rows and every other weight arrive exactly; the padding rows are this run's own initialisation (OLMo-core's
+    distribution); the log says so in one line and the run trains."""
+    from safetensors.numpy import load_file
+
+    from olmo3eqx import checkpoint
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.model import init_model
+    from olmo3eqx.sharding import build_layout
+
+    base, cfg = setup
+    hf_dir, ckpt = trimmed_hf
+    run_dir = base / "padded"
+    p = run(cfg, run_dir, "--init-from", str(ckpt), "--steps", "2", "--eval.every", "0", "--checkpoint.every", "2")
+    said = [line for line in p.stderr.splitlines() if "padded the vocabulary" in line]
+    assert len(said) == 1 and f"from {HF_ROWS} to 384 rows" in said[0], p.stderr[-2000:]
+    assert sorted(losses(run_dir)) == [1, 2] and all(np.isfinite(list(losses(run_dir).values())))
+
+    # The start itself, on this process's 8 devices: 384 rows in shards of 48, so one shard holds rows 288-335,
+    # part read from the checkpoint's 300 and part padding.
+    tcfg = load_yaml(cfg)
+    layout = build_layout(tcfg)
+    notes = []
+    state = checkpoint.init_from(ckpt, layout.init_state(tcfg), layout.state_target(), with_optimizer=False,
+                                 note=notes.append)
+    assert len(notes) == 1 and said[0].endswith(notes[0])
+    hf = load_file(hf_dir / "model.safetensors")
+    embed, head = np.asarray(state.model.embed), np.asarray(state.model.lm_head.weight)
+    assert embed.shape == (384, 64) and head.shape == (64, 384)
+    np.testing.assert_array_equal(embed[:HF_ROWS], hf["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(head[:, :HF_ROWS], hf["lm_head.weight"].T)
+    converted, _ = checkpoint.load_model(ckpt)
+    for name in ("blocks", "norm"):
+        for a, b in zip(jax.tree.leaves(getattr(state.model, name)), jax.tree.leaves(getattr(converted, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The padding: the rows a fresh model of this config gets from run.seed (state.init_state's model key), compiled
+    # as the run compiles its init (eager ops round the truncated normal differently in the last bit).
+    key = jax.random.split(jax.random.PRNGKey(tcfg.run.seed))[0]
+    fresh = jax.jit(lambda k: init_model(tcfg.model, k))(key)
+    np.testing.assert_array_equal(embed[HF_ROWS:], np.asarray(fresh.embed)[HF_ROWS:])
+    np.testing.assert_array_equal(head[:, HF_ROWS:], np.asarray(fresh.lm_head.weight)[:, HF_ROWS:])
+    assert all(float(np.abs(np.asarray(m)).max()) == 0 for m in jax.tree.leaves(state.opt_state[1].mu))
+
+    # ... and OLMo-core's own initialisation of the same matrices (OLMo 3 7B: InitMethod.normal, init_std 0.02 for
+    # the embedding and the LM head alike, truncated at 3 std): the same bounds, mean and spread.
+    torch = pytest.importorskip("torch")
+    from olmo_core.nn.transformer.config import TransformerConfig
+    from olmo_core.nn.transformer.init import InitMethod
+
+    std = TransformerConfig.__dataclass_fields__["init_std"].default
+    assert TransformerConfig.__dataclass_fields__["init_method"].default == InitMethod.normal
+    pad = 384 - HF_ROWS
+    olmo_embed, olmo_head = torch.nn.Embedding(pad, 64), torch.nn.Linear(64, pad, bias=False)
+    gen = torch.Generator().manual_seed(0)
+    InitMethod.normal.init_embeddings(olmo_embed, d_model=64, std=std, generator=gen)
+    InitMethod.normal.init_final_w_out(olmo_head, d_model=64, std=std, generator=gen)
+    for ours, theirs in ((embed[HF_ROWS:], olmo_embed.weight), (head[:, HF_ROWS:], olmo_head.weight)):
+        theirs = theirs.detach().numpy()
+        assert np.abs(ours).max() <= 3 * std and np.abs(theirs).max() <= 3 * std
+        assert abs(ours.mean()) < 4 * std / ours.size ** 0.5
+        assert ours.std() == pytest.approx(theirs.std(), rel=0.08)  # each within ~1.5% of the truncated std
+
+
+def test_init_from_refuses_any_other_shape_difference(setup, trimmed_hf):
+    """A padded vocabulary is the one shape difference init_from accepts: another field, a larger checkpoint
+    vocabulary and moments carried into padding rows each stop with one sentence and exit 2."""
+    import dataclasses
+
+    from olmo3eqx import checkpoint
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.errors import ConfigError
+    from olmo3eqx.sharding import build_layout
+
+    _, cfg = setup
+    _, ckpt = trimmed_hf
+    base = load_yaml(cfg)
+
+    def refusal(with_optimizer=False, **model) -> str:
+        tcfg = dataclasses.replace(base, model=dataclasses.replace(base.model, **model))
+        target = build_layout(tcfg).state_target()  # refused before any array is built: no fresh state needed
+        with pytest.raises(ConfigError) as e:
+            checkpoint.init_from(ckpt, target, target, with_optimizer=with_optimizer)
+        code, sentence = exits.exit_code(e.value)
+        assert code == exits.BAD_INPUT and sentence.count(". ") == 0 and sentence.endswith(".")
+        return sentence
+
+    other = refusal(intermediate_size=96)
+    assert "in intermediate_size (checkpoint 128, config 96);" in other and "vocab_size" not in other
+    larger = refusal(vocab_size=288)
+    assert f"in vocab_size (checkpoint {HF_ROWS}, config 288);" in larger
+    moments = refusal(with_optimizer=True)
+    assert f"has {HF_ROWS} vocabulary rows and the config 384" in moments and "drop --init-optimizer" in moments
+
+
 def test_nonfinite_loss_stops_with_a_clear_message(setup):
     base, cfg = setup
     p = run(cfg, base / "nan", "--optim.lr", "1e6", "--optim.clip-grad-norm", "0", "--optim.warmup-steps", "0",

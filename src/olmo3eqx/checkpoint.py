@@ -7,13 +7,14 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
                          (restore_model_leaf)
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
-Readers that need part of a state (model and moments for `init_from`, one leaf for conversion) restore just those
-top-level parts (`restore_parts`); nothing else is read. The model alone (`restore_model`: evaluation, generation,
-`load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers of the device
-shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one stored chunk
-(orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the weights at its
-peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py). save_model and
-save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are its device shards.
+Readers that need part of a state (the moments for `init_from`, one leaf for conversion) restore just those
+top-level parts (`restore_parts`); nothing else is read. The model alone (`restore_model`: `init_from`, evaluation,
+generation, `load_model`, `load_any`) is read leaf by leaf and stored chunk by stored chunk straight into the buffers
+of the device shards it lands on, in the dtype asked for: a restore holds the weights it returns plus about one
+stored chunk (orbax's own restore reads each shard whole in the stored dtype, then casts and copies it: 1.7x the
+weights at its peak restoring a float32 checkpoint as float32, 2.1x as bfloat16, bench/bench_speak_memory.py).
+save_model and save_model_leaves store arrays in chunks of at most CHUNK_BYTES; a training checkpoint's chunks are
+its device shards.
 
 A write that fails for the storage's sake (disk full, quota, I/O error), in the step loop's thread or in orbax's
 background one, is one `StorageError` naming the directory, the bytes needed and free and the last intact checkpoint;
@@ -45,6 +46,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 from etils import epath
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental import v1 as ocp_v1
@@ -202,12 +204,20 @@ def restore_parts(root: StorePath, step: int, targets: dict[str, Any], restore_a
         return dict(mngr.restore(step, args=ocp.args.Composite(state=args))[STATE])
 
 
-def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None) -> OLMo3:
+VOCAB_AXIS = {"embed": 0, "lm_head.weight": 1}
+"""The vocabulary axis of the model's two vocabulary-sized leaves (by attribute path): the embedding is [vocab, hidden],
+the LM head's Linear weight [hidden, vocab]."""
+
+
+def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None,
+                  vocab_rows: int | None = None) -> OLMo3:
     """The model of `step` in cfg.param_dtype (cast as it is read, when the checkpoint stores another dtype), each leaf
     built on `sharding` (a tree of shardings like the model's arrays, or one; default the first device). Leaves are
     read one at a time, every device shard chunk by stored chunk straight into that shard's own buffer (which a CPU
     device adopts as is), and each process reads only the shards of its own devices: the restore holds the model it
-    returns plus one stored chunk, whatever the checkpoint's dtype, mesh or process count."""
+    returns plus one stored chunk, whatever the checkpoint's dtype, mesh or process count. `vocab_rows`: the
+    checkpoint's vocabulary when it is smaller than cfg.vocab_size; the embedding rows and LM-head columns past it
+    read as zeros (pad_vocabulary fills them)."""
     if "model" not in saved_parts(root, step):
         raise ConfigError(f"Checkpoint {root / str(step)} holds no model; pass one that train.py or convert.py "
                           f"wrote.")
@@ -218,8 +228,16 @@ def restore_model(root: StorePath, step: int, cfg: ModelConfig, sharding=None) -
     shardings = sharding if not isinstance(sharding, jax.sharding.Sharding) else jax.tree.map(lambda _: sharding, params)
     reader = StateReader(root / str(step) / STATE)
     leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    arrays = [reader.read("model." + jax.tree_util.keystr(path, simple=True, separator="."), like, s)
-              for (path, like), s in zip(leaves, jax.tree.leaves(shardings))]
+
+    def stored_shape(name: str, like: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+        shape = list(like.shape)
+        if vocab_rows is not None and name in VOCAB_AXIS:
+            shape[VOCAB_AXIS[name]] = vocab_rows
+        return tuple(shape)
+
+    names = [jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in leaves]
+    arrays = [reader.read("model." + name, like, s, stored_shape(name, like))
+              for name, (_, like), s in zip(names, leaves, jax.tree.leaves(shardings))]
     return eqx.combine(jax.tree.unflatten(tree, arrays), static)
 
 
@@ -243,22 +261,28 @@ class StateReader:
         spec = self.tsu.build_array_read_spec(info, use_ocdbt=self.layout["use_ocdbt"], target_dtype=dtype)
         return ts.open(spec.json, open=True, context=self.context).result()
 
-    def read(self, name: str, like: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+    def read(self, name: str, like: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding,
+             stored_shape: tuple[int, ...] | None = None) -> jax.Array:
         """Array `name` shaped like `like`, in its dtype, on `sharding`; each addressable shard filled one stored chunk
-        at a time (a wider read would decode every chunk it spans before copying any)."""
+        at a time (a wider read would decode every chunk it spans before copying any). `stored_shape` (default like's,
+        nowhere larger): the shape the checkpoint must hold; what lies past it reads as zeros."""
         stored = self.open(name, like.dtype)
-        if tuple(stored.shape) != tuple(like.shape):
+        expected = tuple(like.shape) if stored_shape is None else tuple(stored_shape)
+        if tuple(stored.shape) != expected:
             raise ConfigError(f"Array {name} of checkpoint {self.state_dir.parent} has shape {list(stored.shape)}, "
-                              f"but its config implies {list(like.shape)}.")
+                              f"but its config implies {list(expected)}.")
         chunk = stored.chunk_layout.read_chunk.shape
 
         def shard(index: tuple[slice, ...]) -> np.ndarray:
             region = [range(n)[i] for n, i in zip(like.shape, index)]
             out = aligned_empty(tuple(len(r) for r in region), like.dtype)
-            cells = [range(r.start - r.start % c, r.stop, c) for r, c in zip(region, chunk)]
+            held = [range(r.start, min(r.stop, n)) for r, n in zip(region, expected)]  # what the checkpoint holds
+            if held != region:
+                out.fill(0)
+            cells = [range(h.start - h.start % c, h.stop, c) for h, c in zip(held, chunk)]
             for corner in itertools.product(*cells):
-                lo = [max(c, r.start) for c, r in zip(corner, region)]
-                hi = [min(c + k, r.stop) for c, k, r in zip(corner, chunk, region)]
+                lo = [max(c, h.start) for c, h in zip(corner, held)]
+                hi = [min(c + k, h.stop) for c, k, h in zip(corner, chunk, held)]
                 part = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
                 out[part] = stored[tuple(slice(a, b) for a, b in zip(lo, hi))].read().result()
             return out
@@ -778,16 +802,55 @@ def check_model_config(saved: dict, current: ModelConfig, where: str, allow: tup
                           f"checkpoint's values or start a new run (a new run.name).")
 
 
-def init_from(path: str | StorePath, fresh, target, *, with_optimizer: bool):
+def init_from(path: str | StorePath, fresh, target, *, with_optimizer: bool, note=None):
     """`fresh` with the parts it takes from checkpoint `path` replaced: the model, and with `with_optimizer` the AdamW
     state (stage 2's start); step, data position and spike-guard history stay the fresh state's. `target` is as in
-    Checkpointer.restore."""
+    Checkpointer.restore. A checkpoint with a smaller vocabulary than the config (AI2's released 100,278 rows against
+    the 100,352 OLMo-core trains) gives its rows; the padding rows keep the fresh state's initialisation
+    (pad_vocabulary), and `note` (a function of one line) says so."""
     root, step = resolve_step_dir(path)
     where = str(root / str(step))
-    check_model_config(read_config(root, step), fresh.model.cfg, where, allow=INIT_FROM_CHANGEABLE)
-    parts = ("model", "opt_state") if with_optimizer else ("model",)
+    stored = read_config(root, step)
+    current = fresh.model.cfg
+    rows = model_config_from_dict(stored, where).vocab_size
+    padded = rows < current.vocab_size
+    check_model_config(stored, current, where, allow=INIT_FROM_CHANGEABLE + (("vocab_size",) if padded else ()))
+    if with_optimizer and padded:
+        raise ConfigError(f"Checkpoint {where} has {rows:,} vocabulary rows and the config {current.vocab_size:,}: "
+                          f"a padded vocabulary starts with fresh moments, none are carried into rows the checkpoint "
+                          f"never trained; drop --init-optimizer, or set model.vocab_size to {rows}.")
     if with_optimizer and "opt_state" not in saved_parts(root, step):
         raise FileNotFoundError(f"Checkpoint {where} has no optimizer state (a converted checkpoint has weights "
                                 f"only); drop --init-optimizer to start with fresh moments.")
-    taken = restore_parts(root, step, {name: getattr(target, name) for name in parts})
-    return eqx.tree_at(lambda s: [getattr(s, name) for name in parts], fresh, [taken[name] for name in parts])
+    shardings = jax.tree.map(lambda a: a.sharding, target.model)  # the target's leaves are sharded ShapeDtypeStructs
+    model = restore_model(root, step, current, shardings, vocab_rows=rows if padded else None)
+    if padded:
+        model = pad_vocabulary(model, fresh.model, rows)
+        if note is not None:
+            note(f"padded the vocabulary from {rows:,} to {current.vocab_size:,} rows: embedding rows and LM-head "
+                 f"columns {rows:,}-{current.vocab_size - 1:,} initialised as OLMo-core initialises them (truncated "
+                 f"normal, std {current.initializer_range}, from run.seed); the checkpoint's tokenizer has no id "
+                 f"that reaches them")
+    state = eqx.tree_at(lambda s: s.model, fresh, model)
+    if with_optimizer:
+        opt_state = restore_parts(root, step, {"opt_state": target.opt_state})["opt_state"]
+        state = eqx.tree_at(lambda s: s.opt_state, state, opt_state)
+    return state
+
+
+def pad_vocabulary(model: OLMo3, fresh: OLMo3, rows: int) -> OLMo3:
+    """`model` with its embedding rows and LM-head columns from `rows` on taken from `fresh`: the padding of a
+    vocabulary (OLMo-core pads the tokenizer's to a multiple of 128) initialised as every row of a fresh model is, the
+    truncated normal of model.initializer_range from the run's seed, as OLMo-core's InitMethod.normal initialises its
+    embedding and LM head. No token id reaches those rows (the tokenizer's ids are below `rows`); their LM-head
+    columns stay in the softmax, as in OLMo-core's loss, which masks no logit. Each matrix is merged under jit on its
+    own sharding, never whole on one device."""
+    def merge(path, loaded, init):
+        axis = VOCAB_AXIS.get(jax.tree_util.keystr(path, simple=True, separator="."))
+        if axis is None:
+            return loaded
+        keep = lambda a, b: jnp.where(jax.lax.broadcasted_iota(jnp.int32, a.shape, axis) < rows, a, b)  # noqa: E731
+        return jax.jit(keep, out_shardings=loaded.sharding)(loaded, init)
+
+    params, static = eqx.partition(model, eqx.is_array)
+    return eqx.combine(jax.tree_util.tree_map_with_path(merge, params, eqx.filter(fresh, eqx.is_array)), static)

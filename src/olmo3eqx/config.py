@@ -524,9 +524,12 @@ class TrainConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     init_from: str | None = None
     """Start a new run from this checkpoint (a run's checkpoints/ or convert.py's output): weights, step and data
-    position reset. Ignored when the run directory already has checkpoints (then the run resumes)."""
+    position reset; a checkpoint with fewer vocabulary rows than model.vocab_size (AI2's HF export: 100,278) is
+    padded to it, the padding rows initialised as fresh ones. Ignored when the run directory already has checkpoints
+    (then the run resumes)."""
     init_optimizer: bool = False
-    """With init_from: also carry the AdamW moments (stage 2 starts from stage 1's moments)."""
+    """With init_from: also carry the AdamW moments (stage 2 starts from stage 1's moments); refused with a padded
+    vocabulary."""
     dry_run: bool = False
     """Print the resolved config, sizes, FLOPs, mesh and compiled memory, then exit."""
 

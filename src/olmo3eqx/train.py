@@ -381,7 +381,7 @@ def starting_point(cfg: TrainConfig, layout, checkpointer, note):
         start, state, data_state = 0, layout.init_state(cfg), None
         if cfg.init_from:
             state = checkpoint.init_from(cfg.init_from, state, layout.state_target(),
-                                         with_optimizer=cfg.init_optimizer)
+                                         with_optimizer=cfg.init_optimizer, note=note)
             parts = "weights + moments" if cfg.init_optimizer else "weights"
             note(f"initialised from {storage.redact(cfg.init_from)} ({parts})")
     return start, state, data_state
