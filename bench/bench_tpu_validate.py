@@ -125,7 +125,8 @@ PUBLISHED = (
         derived="511.5 TFLOP/s per device / MaxText's 47.76 GFLOP per token (1565 TFLOP per device-step of 4 x 8192 "
                 "tokens) x 2 devices per chip",
         stated="Ironwood; global batch 512 x 8192; 1565 TFLOP per device-step, so 4 x 8192 tokens per device (128 "
-               "devices, 64 chips); splash blocks 2048; the XLA flags of " + LAUNCHER + " (SparseCore offload, 64 MiB VMEM)",
+               "devices, 64 chips); splash blocks 2048; the XLA flags of " + LAUNCHER
+               + " (SparseCore offload, 64 MiB VMEM)",
         assumed="remat: not stated for the measured run ('extended rematerialisation of the attention and MLP "
                 "projections'; the launcher today saves all projections but the MLP's up projection): predicted "
                 "at save_qkv_proj, the nearest of ours that fits 4 x 8192 (theirs keeps more, recomputes less)",
@@ -209,7 +210,8 @@ PUBLISHED = (
     Published(
         key="openllama-7b-v4",
         what="OpenLLaMA 7B (EasyLM), TPU v4",
-        source="[openlm-research/open_llama README.md](https://github.com/openlm-research/open_llama/blob/main/README.md)",
+        source="[openlm-research/open_llama README.md]"
+               "(https://github.com/openlm-research/open_llama/blob/main/README.md)",
         says="'Overall we reach a throughput of over 2200 tokens / second / TPU-v4 chip for our 7B model.'",
         tokens_per_chip_s=2200,
         derived="",
@@ -280,8 +282,8 @@ def model_error(saved: dict) -> float:
 def markdown(saved: dict) -> str:
     """The docs' table of every row (docs/tpu-gpu.md), the spread, and each row's source and conditions in a
     collapsible note below the table (mkdocs-material's `???`)."""
-    lines = ["| measured | predicted tokens/s per chip (MFU) | measured tokens/s per chip (MFU) | predicted / measured |",
-             "|---|---|---|---|"]
+    lines = ["| measured | predicted tokens/s per chip (MFU) | measured tokens/s per chip (MFU) | predicted / measured "
+             "|", "|---|---|---|---|"]
     notes = []
     found = ratios(saved)
     for row in PUBLISHED:

@@ -67,7 +67,8 @@ def _cell(text: str) -> str:
 def _breakable(code: str) -> str:
     """A name or flag as an HTML code span that may wrap after each `.`, `_` or `-` (<wbr>), so the reference's
     name columns stay narrow enough for the descriptions beside them at 1,280 px."""
-    return "<code>" + re.sub(r"(?<=[A-Za-z0-9])([._-])(?=[A-Za-z0-9])", r"\1<wbr>", html.escape(code, quote=False)) + "</code>"
+    breaks = re.sub(r"(?<=[A-Za-z0-9])([._-])(?=[A-Za-z0-9])", r"\1<wbr>", html.escape(code, quote=False))
+    return f"<code>{breaks}</code>"
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -151,7 +152,19 @@ def name_and_flag(name: str) -> str:
     return f"{_breakable(name)}<br>{_breakable(flag_of(name))}"
 
 
+def on_config(config):
+    """pymdownx.snippets finds its files under docs/snippets/ whatever directory mkdocs runs from (its base_path
+    is otherwise read relative to the working directory)."""
+    from pathlib import Path
+
+    snippets = config["mdx_configs"].get("pymdownx.snippets")
+    if snippets is not None:
+        snippets["base_path"] = [str(Path(config["docs_dir"]) / "snippets")]
+    return config
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if MARKER in markdown:  # in a div the stylesheet knows (docs/stylesheets/extra.css), Markdown inside it
-        return markdown.replace(MARKER, f'<div class="config-reference" markdown="1">\n\n{reference_markdown()}\n\n</div>')
+        reference = reference_markdown()
+        return markdown.replace(MARKER, f'<div class="config-reference" markdown="1">\n\n{reference}\n\n</div>')
     return markdown

@@ -496,7 +496,8 @@ def test_config_reference_shows_every_description_at_1280_px(site):
 
 CODE_SELECTOR = re.compile(r"\b(pre|code|kbd|samp)\b")
 WRAPS_MID_TOKEN = re.compile(r"overflow-wrap\s*:\s*anywhere|word-break\s*:\s*break-(all|word)|"
-                             r"word-wrap\s*:\s*(anywhere|break-word)|white-space\s*:\s*(pre-wrap|pre-line|break-spaces)")
+                             r"word-wrap\s*:\s*(anywhere|break-word)|"
+                             r"white-space\s*:\s*(pre-wrap|pre-line|break-spaces)")
 
 
 def code_wrapping_rules(css: str) -> list[str]:
