@@ -118,7 +118,8 @@ def markdown(rows: list[dict], chosen: dict | None) -> str:
     out = ["| heads | remat | tensor | splash | per device x accumulation | flags | GiB per device (spare) | step "
            "| TFLOP/s | MFU | MaxText count | compile |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        remat = f"**`{r['remat']}`**" if r is chosen else f"`{r['remat']}`"
+        remat = "<code>" + r["remat"].replace("_", "_<wbr>") + "</code>"  # breaks at its `_`s in a narrow column
+        remat = f"**{remat}**" if r is chosen else remat
         mem = f"{r['mem']} ({r['spare_gib']})" if r["spare_gib"] else r["mem"]
         out.append(f"| {r['heads']} | {remat} | {r['tensor']} | {r['blocks']} | {r['batch']} | {r['flags']} | {mem} "
                    f"| {r['step']} s | {r['tflops']} | {r['mfu']}% | {r['maxtext']} | {int(r['compile']):,} s |")

@@ -85,11 +85,19 @@ class Published:
 
 STAGE1 = "configs/olmo3-7b-stage1.yaml"
 STAGE2 = "configs/olmo3-7b-stage2.yaml"
-BLOG = ("Google Developers Blog, 'Reproducing OLMo 3 7B pre-training in MaxText' (shared/seeds/: 000_80b5b544631a7f3b "
-        "in Portuguese, 004_ccbf79681cc2c868 in English)")
-LAUNCHER = ("AI-Hypercomputer/maxtext src/maxtext/trainers/pre_train/scripts/olmo/run_olmo3_7b_stage1.sh "
-            "@e591f30cbbf2 (committed 2026-05-13)")
-TPU_RECIPES = "AI-Hypercomputer/tpu-recipes @c8cfe2f68908"
+BLOG = ("[Google Developers Blog, 'Reproducing OLMo 3 7B Pre-training in MaxText' (2026-09-24)]"
+        "(https://developers.googleblog.com/reproducing-olmo-3-7b-pre-training-in-maxtext-case-study-of-large-scale-"
+        "training-on-tpus/)")
+"""Sources are Markdown links, as the docs' table shows them (`--markdown`)."""
+LAUNCHER = ("[MaxText's stage-1 launcher, run_olmo3_7b_stage1.sh @e591f30cbbf2 (committed 2026-05-13)]"
+            "(https://github.com/AI-Hypercomputer/maxtext/blob/e591f30cbbf2/src/maxtext/trainers/pre_train/scripts/"
+            "olmo/run_olmo3_7b_stage1.sh)")
+TPU_RECIPES = "https://github.com/AI-Hypercomputer/tpu-recipes/blob/c8cfe2f68908"
+
+
+def recipe(path: str) -> str:
+    """A link to a file of AI-Hypercomputer/tpu-recipes at the commit the measurements were read at."""
+    return f"[AI-Hypercomputer/tpu-recipes @c8cfe2f68908 {path}]({TPU_RECIPES}/{path})"
 OLMO_STEP_TFLOP = 1565.154802139136
 """MaxText's count of the OLMo 3 7B stage-1 step per device (every layer global, 4 x 8192 tokens): the blog's
 '1565 TFLOPs', and olmo3eqx.flops' all-global count (flops.train_flops_per_token(window_aware=False))."""
@@ -111,13 +119,14 @@ PUBLISHED = (
         key="olmo3-7b-ironwood",
         what="OLMo 3 7B stage 1, 32 x 128 heads, Ironwood",
         source=BLOG,
-        says="44.5% MFU, 510-513 TFLOP/s per device (Portuguese write-up); 508 TFLOP/s/device, 44.2% MFU, "
-             "1565 TFLOPs (English summary's head-shape table)",
+        says="~510-513 TFLOP/s/device (stage 1 on 512 and on 128 devices); 508 TFLOP/s/device, 44.2% MFU, "
+             "1565 TFLOPs (its head-shape comparison)",
         tokens_per_chip_s=2 * 511.5e12 / OLMO_TOKEN_FLOP,
         derived="511.5 TFLOP/s per device / MaxText's 47.76 GFLOP per token (1565 TFLOP per device-step of 4 x 8192 "
                 "tokens) x 2 devices per chip",
         stated="Ironwood; global batch 512 x 8192; 1565 TFLOP per device-step, so 4 x 8192 tokens per device (128 "
-               "devices, 64 chips); splash blocks 2048; the launcher's XLA flags (SparseCore offload, 64 MiB VMEM)",
+               "devices, 64 chips); splash blocks 2048; the XLA flags of " + LAUNCHER
+               + " (SparseCore offload, 64 MiB VMEM)",
         assumed="remat: not stated for the measured run ('extended rematerialisation of the attention and MLP "
                 "projections'; the launcher today saves all projections but the MLP's up projection): predicted "
                 "at save_qkv_proj, the nearest of ours that fits 4 x 8192 (theirs keeps more, recomputes less)",
@@ -156,7 +165,7 @@ PUBLISHED = (
     Published(
         key="llama3.1-8b-v6e-8",
         what="Llama 3.1 8B, Trillium v6e-8",
-        source=f"{TPU_RECIPES} training/trillium/Llama3.1-8B-MaxText/v6e-8/README.md",
+        source=recipe("training/trillium/Llama3.1-8B-MaxText/v6e-8/README.md"),
         says="completed step: 14, seconds: 3.443, TFLOP/s/device: 413.433, Tokens/s/device: 7138.890",
         tokens_per_chip_s=7138.890,
         derived="",
@@ -171,8 +180,9 @@ PUBLISHED = (
     Published(
         key="llama3.1-8b-v6e-256",
         what="Llama 3.1 8B, Trillium v6e-256",
-        source=f"{TPU_RECIPES} training/trillium/Llama3.1-8B-MaxText/v6e-256/README.md; MaxText "
-               "docs/reference/models/tiering.md (Gold: 45.46% MFU, 7,207 tokens/s/device)",
+        source=recipe("training/trillium/Llama3.1-8B-MaxText/v6e-256/README.md") + "; [MaxText "
+               "docs/reference/models/tiering.md](https://github.com/AI-Hypercomputer/maxtext/blob/main/docs/"
+               "reference/models/tiering.md) (Gold: 45.46% MFU, 7,207 tokens/s/device)",
         says="completed step: 14, seconds: 4.546, TFLOP/s/device: 417.397, Tokens/s/device: 7207.336",
         tokens_per_chip_s=7207.336,
         derived="",
@@ -184,7 +194,7 @@ PUBLISHED = (
     Published(
         key="mistral-7b-v6e-8",
         what="Mistral 7B, Trillium v6e-8",
-        source=f"{TPU_RECIPES} training/trillium/Mistral-7B-MaxText/README.md",
+        source=recipe("training/trillium/Mistral-7B-MaxText/README.md"),
         says="completed step: 6, seconds: 6.320, TFLOP/s/device: 431.981, Tokens/s/device: 7776.813",
         tokens_per_chip_s=7776.813,
         derived="",
@@ -200,7 +210,8 @@ PUBLISHED = (
     Published(
         key="openllama-7b-v4",
         what="OpenLLaMA 7B (EasyLM), TPU v4",
-        source="openlm-research/open_llama README.md",
+        source="[openlm-research/open_llama README.md]"
+               "(https://github.com/openlm-research/open_llama/blob/main/README.md)",
         says="'Overall we reach a throughput of over 2200 tokens / second / TPU-v4 chip for our 7B model.'",
         tokens_per_chip_s=2200,
         derived="",
@@ -269,10 +280,11 @@ def model_error(saved: dict) -> float:
 
 
 def markdown(saved: dict) -> str:
-    """The docs' table of every row (docs/tpu-gpu.md), and the spread."""
-    lines = ["| measured | source's statement | configuration stated | not stated: the prediction assumes | what "
-             "differs | predicted tokens/s per chip (MFU) | measured tokens/s per chip (MFU) | predicted / measured "
-             "|", "|---|---|---|---|---|---|---|---|"]
+    """The docs' table of every row (docs/tpu-gpu.md), the spread, and each row's source and conditions in a
+    collapsible note below the table (mkdocs-material's `???`)."""
+    lines = ["| measured | predicted tokens/s per chip (MFU) | measured tokens/s per chip (MFU) | predicted / measured "
+             "|", "|---|---|---|---|"]
+    notes = []
     found = ratios(saved)
     for row in PUBLISHED:
         r = saved.get(row.key)
@@ -291,16 +303,19 @@ def markdown(saved: dict) -> str:
         else:
             predicted = "not compiled" if r is None else f"none: {r['out_of_memory'] or r['prediction_error']}"
             ratio = ""
+        lines.append(f"| {row.what} | {predicted} | {measured} | {ratio} |")
         derived = f" ({row.derived})" if row.derived else ""
-        lines.append(f"| {row.what} | {row.source}: {row.says}{derived} | {row.stated} | {row.assumed or 'nothing'} "
-                     f"| {row.differs} | {predicted} | {measured} | {ratio} |")
+        notes += [f"    - **{row.what}.** Source: {row.source}: {row.says}{derived}. Stated: {row.stated}. "
+                  f"Not stated, the prediction assumes: {row.assumed or 'nothing'}. What differs: {row.differs}.", ""]
     if found:
         low, high = spread(saved)
         lines.append("")
         lines.append(f"{len(found)} published measurements predicted; predicted / measured from {low:.2f} to "
                      f"{high:.2f}: two predictions differ by more than the model's measured error only when they are "
                      f"more than {100 * model_error(saved):.0f}% apart.")
-    return "\n".join(lines)
+    lines += ["", '??? note "Each row: its source, the configuration it states, what the prediction assumes, what '
+              'differs"', ""] + notes
+    return "\n".join(lines).rstrip()
 
 
 def main(argv: list[str] | None = None) -> int:

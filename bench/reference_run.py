@@ -571,101 +571,165 @@ def smooth(x: np.ndarray, n: int) -> np.ndarray:
 
 
 FLOOR = 1e-10
-"""Gaps of exactly 0 are drawn at this height on the logarithmic axes."""
+"""Gaps of exactly 0 are drawn at this height on the logarithmic axes (a grey dotted line, named in the legend)."""
+OURS = {"color": "C0", "lw": 0.8, "zorder": 3}
+REFERENCE = {"color": "C1", "lw": 3.0, "alpha": 0.35, "zorder": 2}
+"""OLMo-core's curves wide and light under ours, thin and dark on top: where they coincide both stay visible."""
+
+
+def _gap_panel(ax, x, series: dict, gate: float | None, title: str, ylabel: str, colors: dict | None = None) -> None:
+    """Absolute gaps on a logarithmic axis: per step as dots, per evaluation as a line through the points; exact
+    zeros at FLOOR, with a line there that says so; the gate in red."""
+    zero = False
+    for n, v in series.items():
+        v = np.abs(np.asarray(v, np.float64))
+        zero |= bool((v == 0).any())
+        dense = len(x) >= 100
+        ax.semilogy(x, np.maximum(v, FLOOR), marker="." if dense else "o", ms=1.5 if dense else 3,
+                    ls="" if dense else "-", lw=0.8, label=n or None, color=(colors or {}).get(n))
+    if zero:
+        ax.axhline(FLOOR, color="grey", ls=":", lw=0.8, label=f"gap exactly 0 (drawn at {FLOOR:g})")
+    if gate is not None:
+        ax.axhline(gate, color="red", lw=0.8, label=f"gate {gate:g}")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
 
 
 def plot(sides: dict[str, dict[int, Curves]], clean: dict[int, dict], fault: dict | None, out: Path) -> Path:
-    """Rows: each stage's curves (ours solid, OLMo-core dashed; dotted verticals where each side resumed after its
-    kill) and each stage's gaps (absolute, logarithmic, the gates in red); last, the fault's gaps, the distribution of
-    the clean per-step gaps and olmo3eqx-compare's verdicts. Columns: training loss, held-out losses, gradient norm,
-    learning rate."""
+    """Rows: each stage's curves (ours thin and dark on top of OLMo-core's wide light line; dotted verticals where
+    each side resumed after its kill) and each stage's gaps (absolute, logarithmic, the gates in red, exact zeros on
+    a named floor); then the fault's gaps, each stage on its own axes; last, the distribution of the clean per-step
+    gaps and olmo3eqx-compare's verdicts. Columns: training loss, held-out losses, gradient norm, learning rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     stages = sorted(clean)
-    rows = 2 * len(stages) + (fault is not None)
-    fig, axes = plt.subplots(rows, 4, figsize=(20, 3.4 * rows), squeeze=False)
+    rows = 2 * len(stages) + 2 * (fault is not None)
+    fig, axes = plt.subplots(rows, 4, figsize=(20, 3.6 * rows), squeeze=False)
+    sets = {n: f"C{2 + k}" for k, n in enumerate(next(iter(clean.values()))["heldout"])}
     for i, stage in enumerate(stages):
         ours, ref, g = sides["ours"][stage], sides["olmo-core"][stage], clean[stage]
         top, bottom = axes[2 * i], axes[2 * i + 1]
-        for c, name, style in ((ours, "ours", "-"), (ref, "OLMo-core", "--")):
-            top[0].plot(c.steps, c.train["train/loss"], style, lw=0.7, label=name)
+        for c, name, look in ((ref, "OLMo-core (wide, light)", REFERENCE), (ours, "ours (thin, on top)", OURS)):
+            top[0].plot(c.steps, c.train["train/loss"], label=name, **look)
             for n, v in c.heldout.items():
-                top[1].plot(c.eval_steps, v, style, marker="o", ms=2, label=f"{n} ({name})")
-            top[2].plot(c.steps, c.train["train/grad_norm"], style, lw=0.7, label=name)
-            top[3].plot(c.steps, c.train["train/lr"], style, label=name)
+                top[1].plot(c.eval_steps, v, marker="o", ms=4 if look is REFERENCE else 2,
+                            label=f"{n}, {name.split(' (')[0]}", **{**look, "color": sets[n]})
+            top[2].plot(c.steps, c.train["train/grad_norm"], label=name, **look)
+            top[3].plot(c.steps, c.train["train/lr"], label=name, **look)
             if c.replayed:
                 for ax in top:
-                    ax.axvline(c.replayed["resumed_from_step"], ls=":", lw=0.8, color="C0" if name == "ours" else "C1")
-        for ax, title in zip(top, ("training loss (CE)", "held-out loss", "grad norm (before clipping)", "LR")):
+                    ax.axvline(c.replayed["resumed_from_step"], ls=":", lw=0.8, color=look["color"],
+                               label=f"{name.split(' (')[0]} resumed after its kill" if ax is top[0] else None)
+        for ax, title, ylabel in zip(top, ("training loss", "held-out loss", "gradient norm (before clipping)",
+                                           "learning rate"),
+                                     ("cross-entropy (nats)", "cross-entropy (nats)", "L2 norm", "learning rate")):
             ax.set_title(f"stage {stage}: {title}", fontsize=10)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
             ax.legend(fontsize=7)
         top[0].set_ylim(top=float(np.quantile(ours.train["train/loss"], 0.98)) + 0.2)
-        panels = ((ours.steps, {"": g["train_loss_rel"]}, GATES["train_loss_rel"],
-                   "|training loss gap| / OLMo-core's"),
-                  (g["eval_steps"], g["heldout"], GATES["heldout"], "|held-out gap| (nats)"),
-                  (ours.steps, {"": g["grad_norm_rel"]}, None, "|grad norm gap| / OLMo-core's"),
-                  (ours.steps, {"": g["lr_rel"]}, None, "|LR gap| / peak LR"))
-        for ax, (x, series, gate, title) in zip(bottom, panels):
-            for n, v in series.items():
-                dense = len(x) >= 100  # per step: dots; per evaluation: a line through the points
-                ax.semilogy(x, np.maximum(np.abs(v), FLOOR), marker="." if dense else "o", ms=1.5 if dense else 2,
-                            ls="" if dense else "-", lw=0.6, label=n or None)
-            if gate is not None:
-                ax.axhline(gate, color="red", lw=0.8, label="gate")
+        _gap_panel(bottom[0], ours.steps, {"": g["train_loss_rel"]}, GATES["train_loss_rel"],
+                   f"stage {stage}: training-loss gap", "|ours - OLMo-core| / OLMo-core")
+        _gap_panel(bottom[1], g["eval_steps"], g["heldout"], GATES["heldout"], f"stage {stage}: held-out gap",
+                   "|ours - OLMo-core| (nats)", sets)
+        _gap_panel(bottom[2], ours.steps, {"": g["grad_norm_rel"]}, None, f"stage {stage}: gradient-norm gap",
+                   "|ours - OLMo-core| / OLMo-core")
+        _gap_panel(bottom[3], ours.steps, {"": g["lr_rel"]}, None, f"stage {stage}: learning-rate gap",
+                   "|ours - OLMo-core| / peak")
+        for ax in bottom:
             if g["summary"]["skip_disagreements"]:
                 ax.axvline(g["summary"]["same_updates_through"], color="black", ls="--", lw=0.8,
                            label="one side skips, the other not")
-            ax.set_title(f"stage {stage}: {title}", fontsize=10)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
     if fault is not None:
-        row = axes[-1]
-        offset = 0
+        row, last = axes[-2], axes[-1]
         window = max(1, len(clean[stages[0]]["train_loss_rel"]) // 20)
-        for stage in stages:
-            steps = sides["ours"][stage].steps + offset
-            for g, name, style in ((fault["gaps"][stage], "fault", "-"), (clean[stage], "clean", "--")):
-                gap = g["train_loss_rel"] * sides["olmo-core"][stage].train["train/loss"]
-                row[0].plot(steps[window - 1:], smooth(gap, window), style, color="C3" if name == "fault" else "C0",
-                            label=f"{name}, stage {stage}")
+        for k, stage in enumerate(stages):
+            steps, ref_loss = sides["ours"][stage].steps, sides["olmo-core"][stage].train["train/loss"]
+            train_ax, held_ax = row[2 * k], row[2 * k + 1]
+            for g, name, look in ((clean[stage], "clean", {"color": "grey", "lw": 2.5, "alpha": 0.5}),
+                                  (fault["gaps"][stage], "with the fault", {"color": "C3", "lw": 1.0})):
+                gap = g["train_loss_rel"] * ref_loss
+                train_ax.plot(steps[window - 1:], smooth(gap, window), label=f"ours {name}", **look)
                 for n, v in g["heldout"].items():
-                    row[1].plot(g["eval_steps"] + offset, v, style, marker="o", ms=2,
-                                label=f"{n}, {name}, stage {stage}")
-            offset += len(steps)
-        row[0].set_title(f"fault: training-loss gap to OLMo-core (nats, {window}-step mean)", fontsize=10)
-        row[1].set_title("fault: held-out gap to OLMo-core (nats)", fontsize=10)
-        for ax in row[:2]:
-            ax.axhline(0, color="black", lw=0.5)
-            ax.legend(fontsize=6)
+                    held_ax.plot(g["eval_steps"], v, marker="o", ms=2, ls="-" if name != "clean" else "--",
+                                 color=sets[n] if name != "clean" else "grey", lw=look["lw"],
+                                 label=f"{n}, ours {name}")
+            train_ax.set_title(f"stage {stage}, fault: training-loss gap ({window}-step mean)", fontsize=10)
+            held_ax.set_title(f"stage {stage}, fault: held-out gap", fontsize=10)
+            for ax in (train_ax, held_ax):
+                ax.axhline(0, color="black", lw=0.5)
+                ax.set_xlabel("step")
+                ax.set_ylabel("ours - OLMo-core (nats)")
+                ax.legend(fontsize=7)
         bins = np.logspace(np.log10(FLOOR), 0, 41)
-        for stage in stages:
+        for k, stage in enumerate(stages):
             a = np.maximum(np.abs(clean[stage]["train_loss_rel"]), FLOOR)
             through = clean[stage]["summary"]["same_updates_through"]
-            row[2].hist(a[:through], bins=bins, histtype="step", label=f"stage {stage}" + (
+            last[0].hist(a[:through], bins=bins, histtype="step", color=f"C{k}", label=f"stage {stage}" + (
                 f", steps 1-{through}" if through < len(a) else ""))
             if through < len(a):
-                row[2].hist(a[through:], bins=bins, histtype="step", ls="--",
-                            label=f"stage {stage}, after: different updates")
-        row[2].set_xscale("log")
-        row[2].axvline(GATES["train_loss_rel"], color="red", lw=0.8, label="gate")
-        row[2].set_title("clean: per-step |training loss gap| / OLMo-core's (steps)", fontsize=10)
-        row[2].legend(fontsize=7)
-        row[3].axis("off")
-        text = [f"olmo3eqx-compare A B (A = ours with the fault, B = OLMo-core)"]
+                last[0].hist(a[through:], bins=bins, histtype="step", ls="--", color=f"C{k}",
+                             label=f"stage {stage}, after: different updates")
+        last[0].set_xscale("log")
+        last[0].axvline(GATES["train_loss_rel"], color="red", lw=0.8, label=f"gate {GATES['train_loss_rel']:g}")
+        last[0].set_title("clean: per-step training-loss gaps", fontsize=10)
+        last[0].set_xlabel("|ours - OLMo-core| / OLMo-core (exactly 0 counted at 1e-10)")
+        last[0].set_ylabel("steps")
+        last[0].legend(fontsize=7)
+        grid = last[1].get_gridspec()
+        for ax in last[1:]:
+            ax.remove()
+        words = fig.add_subplot(grid[-1, 1:])  # the verdicts, across the row's other three columns
+        words.axis("off")
+        text = ["olmo3eqx-compare A B (A = ours with the fault, B = OLMo-core)"]
         for stage in stages:
             v = fault["verdicts"][str(stage)]
-            text += ["", f"stage {stage}:", *(fill(e, 58) for e in v["earlier"]), fill(v["line"], 58)]
-        row[3].text(0, 0.5, "\n".join(text), fontsize=7, va="center", family="monospace",
-                    color="red" if any(v["flagged"] or v["earlier_flagged"]
-                                       for v in fault["verdicts"].values()) else "black")
+            text += ["", f"stage {stage}:", *(fill(e, 120) for e in v["earlier"]), fill(v["line"], 120)]
+        words.text(0.02, 0.5, "\n".join(text), fontsize=9, va="center", family="monospace",
+                     color="red" if any(v["flagged"] or v["earlier_flagged"]
+                                        for v in fault["verdicts"].values()) else "black")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=72)
     plt.close(fig)
     return out
+
+
+def replot(out: Path) -> Path:
+    """Draw `out`/reference_run.png again from `out`/reference_run.json alone (no training, no work directory):
+    the curves and skips it stores give every gap the figure shows."""
+    d = json.loads((out / "reference_run.json").read_text())
+
+    def side(c: dict, skipped: list[int]) -> Curves:
+        steps = np.arange(1, len(c["train/loss"]) + 1)
+        train = {k: np.array(c[k], np.float64) for k in ("train/loss", "train/grad_norm", "train/lr")}
+        train["train/skipped"] = np.isin(steps, skipped).astype(np.float64)
+        return Curves(steps, train, np.array(c["eval_steps"]), {n: np.array(v, np.float64)
+                                                                 for n, v in c["heldout"].items()}, c["replayed"])
+
+    sides: dict[str, dict[int, Curves]] = {}
+    for name in d["curves"]:
+        sides[name] = {}
+        for stage, c in d["curves"][name].items():
+            stored = (d["fault"]["gaps"] if name == "ours-fault" else d["clean"])[stage]["summary"]["skipped"]
+            sides[name][int(stage)] = side(c, stored["olmo_core" if name == "olmo-core" else "ours"])
+    clean = {stage: gaps(sides["ours"][stage], sides["olmo-core"][stage]) for stage in sides["ours"]}
+    for stage, g in clean.items():  # the gaps the JSON stores as such, as computed from the unrounded losses
+        stored = d["clean"][str(stage)]
+        g.update(train_loss_rel=np.array(stored["train_loss_rel"], np.float64),
+                 eval_steps=np.array(stored["eval_steps"]),
+                 heldout={n: np.array(v, np.float64) for n, v in stored["heldout"].items()})
+    fault = None
+    if d["fault"] is not None:
+        fault = {**d["fault"], "gaps": {stage: gaps(sides["ours-fault"][stage], sides["olmo-core"][stage])
+                                        for stage in sides["ours-fault"]}}
+    return plot(sides, clean, fault, out / "reference_run.png")
 
 
 def fill(text: str, width: int) -> str:
@@ -704,7 +768,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="give up after this many seconds")
     p.add_argument("--out", default=str(OUT), help="directory for reference_run.json and reference_run.png")
     p.add_argument("--work", default=str(OUT / "work"), help="working directory, empty or new (runs, checkpoints, logs)")
+    p.add_argument("--replot", action="store_true",
+                   help="draw --out's reference_run.png again from its reference_run.json and stop (no training)")
     args = p.parse_args(argv)
+    if args.replot:
+        if not (Path(args.out) / "reference_run.json").is_file():
+            p.error(f"--replot: {Path(args.out) / 'reference_run.json'} does not exist")
+        print(f"wrote {replot(Path(args.out))}")
+        return 0
     plan = Plan(steps=args.steps, stage2_steps=args.stage2_steps, eval_every=args.eval_every,
                 heldout_docs=args.heldout_docs)
     for name in ("steps", "stage2_steps", "eval_every", "heldout_docs", "jobs"):

@@ -287,7 +287,8 @@ def test_config_reference_covers_every_field():
     assert not [name for name, doc in documented.items() if not doc], "config fields without a docstring"
     page = hooks.reference_markdown()
     for name in expected:
-        assert f"| `{name}` | `--{name.replace('_', '-')}` |" in page
+        assert f"| {hooks.name_and_flag(name)} |" in page
+        assert hooks.flag_of(name) == f"--{name.replace('_', '-')}"
 
 
 def _build(docs_root: Path, site: Path) -> subprocess.CompletedProcess:
@@ -308,7 +309,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def test_site_builds_strict(site):
-    reference = (site / "config-reference" / "index.html").read_text()
+    reference = (site / "config-reference" / "index.html").read_text().replace("<wbr>", "")
     assert "model.rope_scaling.factor" in reference and "--data.mix-root" in reference
     api = (site / "api" / "index.html").read_text()
     assert "load_hf" in api and "segment_ids" in api  # mkdocstrings rendered the docstrings
@@ -321,8 +322,12 @@ class _Text(html.parser.HTMLParser):
         super().__init__(convert_charrefs=True)
         self.depth, self.text, self.tags = 0, [], set()
 
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+    """Elements with no end tag: they open no level of nesting."""
+
     def handle_starttag(self, tag, attrs):
-        self.depth += tag == "article" or bool(self.depth)
+        if tag not in self.VOID:
+            self.depth += tag == "article" or bool(self.depth)
         if self.depth:
             self.tags.add(tag)
 
@@ -379,7 +384,7 @@ def test_config_reference_shows_the_docstrings_as_written(site):
     assert not missing, f"docstrings not shown as written: {missing[:3]}"
     assert "runs/<name>/" in shown and "eval/<set>/loss" in shown
     made = {"a", "code", "div", "em", "h1", "h2", "p", "pre", "span", "strong", "table", "tbody", "td", "th",
-            "thead", "tr", "article", "button", "svg", "path", "nav"}
+            "thead", "tr", "article", "button", "svg", "path", "nav", "wbr", "br"}
     assert parser.tags <= made, f"raw HTML in the reference: <{'>, <'.join(sorted(parser.tags - made))}>"
 
 
@@ -393,3 +398,160 @@ def test_a_broken_link_fails_the_build(tmp_path):
         f.write("\n[gone](data.md#no-such-section)\n")
     p = _build(copy, tmp_path / "site")
     assert p.returncode != 0 and "no-such-section" in p.stdout + p.stderr
+
+
+def _hooks():
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        return importlib.import_module("hooks")
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+
+
+def test_config_reference_links_the_pages_its_docstrings_name(site):
+    """A docstring's "(docs/object-stores.md)", as `--help` prints it, is a link to that page on the site."""
+    hooks = _hooks()
+    assert hooks._text("goes to (docs/object-stores.md#buckets), not docs_x") == (
+        "goes to ([docs/object-stores.md#buckets](object-stores.md#buckets)), not docs\\_x")
+    reference = (site / "config-reference" / "index.html").read_text()
+    assert '<a href="../object-stores/">docs/object-stores.md</a>' in reference
+    assert "\\|" not in reference  # `int | None`, not `int \\| None`
+    assert "<code>int | None</code>" in reference
+
+
+CONTENT_PX = 690
+"""The article's width in a 1,280 px window (mkdocs-material with both sidebars; measured in Chromium)."""
+CODE_CHAR_PX = 6.6
+"""One character of code in a table: Roboto Mono (0.6 em wide) at the table's code size, .64rem x .85em of 20 px."""
+CELL_PAD_PX = 24
+"""A table cell's left and right padding (.9375em each at the table's 12.8 px)."""
+FIRST_COLUMN_PX = 180
+"""The reference's name-and-flag column's floor (9rem, docs/stylesheets/extra.css)."""
+DESCRIPTION_PX = 200
+"""The room the description column must keep beside the others (about 30 characters a line)."""
+
+
+class _Cells(html.parser.HTMLParser):
+    """The cells of the tables inside <div class="config-reference">, as text in which NUL marks a <wbr> or <br>
+    (the places a browser may break a token)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.inside, self.tables, self.cell = 0, [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "div":
+            self.inside += bool(self.inside) or ("class", "config-reference") in attrs
+        if not self.inside:
+            return
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self.cell = []
+        elif tag in ("wbr", "br") and self.cell is not None:
+            self.cell.append("\0")
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self.inside:
+            self.inside -= 1
+        elif tag in ("td", "th") and self.cell is not None:
+            self.tables[-1][-1].append("".join(self.cell))
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def reference_widths(page: str) -> list[tuple[float, list[str]]]:
+    """Per table of the built reference: the narrowest width its columns before the description can take (each
+    column's longest unbreakable token as code characters, plus padding) and those tokens."""
+    parser = _Cells()
+    parser.feed(page)
+    out = []
+    for rows in parser.tables:
+        widest, tokens = 0.0, []
+        for col in range(len(rows[0]) - 1):
+            token = max((t for row in rows[1:] for t in re.split(r"[\s\0]+", row[col])), key=len)
+            px = len(token) * CODE_CHAR_PX + CELL_PAD_PX
+            widest += max(px, FIRST_COLUMN_PX) if col == 0 else px
+            tokens.append(token)
+        out.append((widest, tokens))
+    return out
+
+
+def test_config_reference_shows_every_description_at_1280_px(site):
+    """Every table of the reference fits the article at 1,280 px with room for its descriptions: no name, flag,
+    type or default is an unbreakable token wide enough to push the description off-screen (names and flags break
+    at their <wbr>s; docs/hooks.py)."""
+    widths = reference_widths((site / "config-reference" / "index.html").read_text())
+    assert len(widths) >= 10, "the reference's tables were not found in their <div class=config-reference>"
+    too_wide = [(round(px), tokens) for px, tokens in widths if px + DESCRIPTION_PX > CONTENT_PX]
+    assert not too_wide, f"reference tables wider than a 1,280 px page allows: {too_wide}"
+    page = (site / "config-reference" / "index.html").read_text()
+    unbroken = reference_widths(page.replace("<wbr>", ""))  # the check sees names that cannot break
+    assert max(px for px, _ in unbroken) + DESCRIPTION_PX > CONTENT_PX
+
+
+CODE_SELECTOR = re.compile(r"\b(pre|code|kbd|samp)\b")
+WRAPS_MID_TOKEN = re.compile(r"overflow-wrap\s*:\s*anywhere|word-break\s*:\s*break-(all|word)|"
+                             r"word-wrap\s*:\s*(anywhere|break-word)|"
+                             r"white-space\s*:\s*(pre-wrap|pre-line|break-spaces)")
+
+
+def code_wrapping_rules(css: str) -> list[str]:
+    """The rules of a stylesheet that make code wrap (mid-token, or a code block's lines at all)."""
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
+    return [f"{sel.strip()} {{{body.strip()}}}" for sel, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)
+            if CODE_SELECTOR.search(sel) and WRAPS_MID_TOKEN.search(body)]
+
+
+def test_no_stylesheet_wraps_code_mid_token():
+    """Code blocks scroll sideways and code never breaks inside a token: a rule such as `overflow-wrap: anywhere`
+    on code split flags ("--dry-⏎run")."""
+    assert code_wrapping_rules(".md-typeset pre > code { white-space: pre-wrap; overflow-wrap: anywhere; }")
+    assert not code_wrapping_rules(".x td code { word-break: normal; } pre { white-space: pre; }")
+    sheets = sorted((ROOT / "docs" / "stylesheets").glob("*.css"))
+    assert sheets
+    found = {sheet.name: rules for sheet in sheets if (rules := code_wrapping_rules(sheet.read_text()))}
+    assert not found, f"stylesheet rules that wrap code: {found}"
+
+
+PROCESS_WORDS = [r"\bshared/", r"\bissues? #?\d+", r"\bthe issue\b",
+                 r"(?<![\w-])(?<!SSH )(?<!tmux )sessions?\b(?![\w.-])", r"\ban earlier (\w+ )?host\b"]
+"""How the project's own work was organised (its tracker's numbers, its working notes' folder, which working
+session measured what): nothing a reader of the manual can follow."""
+
+
+def process_words(text: str) -> list[str]:
+    return [m.group(0) for pattern in PROCESS_WORDS for m in re.finditer(pattern, text)]
+
+
+def test_no_page_speaks_of_the_working_process():
+    assert process_words("as issue 46 measured on an earlier session (shared/seeds/) the issue proposed") == [
+        "shared/", "issue 46", "the issue", "session"]
+    assert not process_words("tmux new-session -d; your SSH session ends; bench/gpu_session.py")
+    pages = [*DOC_FILES, *sorted((ROOT / "docs" / "snippets").glob("*.md"))]  # the snippets are parts of pages
+    found = {str(p.relative_to(ROOT)): words for p in pages if (words := process_words(p.read_text()))}
+    assert not found, f"pages that speak of the working process: {found}"
+
+
+def test_measured_where_is_the_readmes_wording():
+    """The home page's "What has been measured where" (docs/snippets/measured-where.md, included by
+    pymdownx.snippets) is the README's section word for word, its links made relative to docs/."""
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## What has been measured where\n\n(.*?)\n+^## ", readme, re.S | re.M).group(1)
+    snippet = (ROOT / "docs" / "snippets" / "measured-where.md").read_text()
+    snippet = re.sub(r"\A<!--.*?-->\n+", "", snippet, flags=re.S).strip()
+    assert snippet == section.replace("](docs/", "](").strip()
+
+
+def test_pages_about_what_was_never_run_say_so(site):
+    """Every page that describes a run this project has not made (multi-node GPU, a TPU pod, the 7B) opens that
+    part with the one "Measured where" note (docs/snippets/not-run.md), and the home page carries the section."""
+    note = "Not run: multi-GPU and multi-node GPU training"
+    for page in ("multi-host", "tpu-pod", "stages", "getting-started", "tpu-gpu"):
+        assert note in (site / page / "index.html").read_text(), page
+    assert "one H200 only" in (site / "index.html").read_text()

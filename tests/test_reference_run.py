@@ -209,3 +209,30 @@ def test_the_harness_runs_both_sides_both_stages_with_kills_and_the_fault(harnes
     assert all(report["gates"][g]["holds"] for g in ("train_loss_rel", "heldout", "skips"))
     assert code == (0 if all(g["holds"] for g in report["gates"].values()) else 1)
     assert "gate train_loss_rel: holds" in printed and (out / "reference_run.png").stat().st_size > 50_000
+
+
+def test_the_stored_figure_is_drawn_again_from_the_stored_json_alone(harness, tmp_path, monkeypatch):
+    """`--replot` redraws docs/reproduction's figure from its JSON (no training): the gaps it recomputes from the
+    stored curves are the stored ones (to the JSON's 8 digits), and the PNG has every panel."""
+    run, _ = harness
+    stored = BENCH.parent / "docs" / "reproduction" / "reference_run.json"
+    (tmp_path / "reference_run.json").write_bytes(stored.read_bytes())
+    drawn = {}
+    real_plot = run.plot
+    monkeypatch.setattr(run, "plot", lambda sides, clean, fault, out: drawn.update(clean=clean, fault=fault)
+                        or real_plot(sides, clean, fault, out))
+    assert run.main(["--replot", "--out", str(tmp_path)]) == 0
+    d = json.loads(stored.read_text())
+    for stage in (1, 2):
+        mine, theirs = drawn["clean"][stage]["summary"], d["clean"][str(stage)]["summary"]
+        assert mine["same_updates_through"] == theirs["same_updates_through"]
+        assert mine["train_loss_rel_max"] == pytest.approx(theirs["train_loss_rel_max"], rel=0.01)
+        assert mine["grad_norm_rel_max"] == pytest.approx(theirs["grad_norm_rel_max"], rel=0.01)
+        fault = drawn["fault"]["gaps"][stage]["summary"]
+        assert fault["heldout_final"] == pytest.approx(d["fault"]["gaps"][str(stage)]["summary"]["heldout_final"],
+                                                       rel=1e-3)
+    png = (tmp_path / "reference_run.png").read_bytes()
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width == 20 * 72 and height > 1400  # 20 inches at 72 dpi; six rows of panels
+    with pytest.raises(SystemExit):
+        run.main(["--replot", "--out", str(tmp_path / "none")])
