@@ -552,6 +552,18 @@ def test_ephemeral_steps_never_push_permanent_ones_out_of_keep():
     assert kept(every_4, [12, 13, 14]) == [12, 14]  # two ephemeral steps (a crash between commit and delete)
 
 
+def test_ephemeral_every_must_be_below_every():
+    from olmo3eqx.config import CheckpointConfig
+
+    with pytest.raises(ConfigError, match=r"^checkpoint\.ephemeral_every \(1000\) must be below checkpoint\.every "
+                                          r"\(1000\): [^.]*\.$"):
+        CheckpointConfig(every=1000, ephemeral_every=1000)
+    with pytest.raises(ConfigError, match=r"^checkpoint\.ephemeral_every must be non-negative, got -1\.$"):
+        CheckpointConfig(ephemeral_every=-1)
+    assert [s for s in range(1, 13) if CheckpointConfig(every=4, ephemeral_every=3).due(s, 11)] == [3, 4, 6, 8, 9, 11,
+                                                                                                    12]
+
+
 def bucket_or_local(store: str, tmp_path: Path, request) -> str | Path:
     if store == "local":
         return tmp_path / "ckpt"
