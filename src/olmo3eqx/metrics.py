@@ -319,7 +319,7 @@ def open_wandb(wandb, run_dir: str, cfg: LogConfig, config_dict: Mapping[str, An
     id_file = storage.join(run_dir, WANDB_ID_FILE)
     run_id = storage.read_text(id_file).strip() if storage.isfile(id_file) else ""
     if not run_id:
-        run_id = secrets.token_hex(6)  # any id without / \ # ? % : is W&B's
+        run_id = secrets.token_hex(6)  # W&B takes any id free of / \ # ? % :
         storage.write_text(id_file, run_id + "\n")
     metrics_file = storage.join(run_dir, METRICS_FILE)
     logged = [r["step"] for r in read_metrics(metrics_file)] if storage.isfile(metrics_file) else []
@@ -369,8 +369,8 @@ class MetricsLogger:
             else:
                 self._wandb, self._wandb_from = open_wandb(wandb, run_dir, cfg, config_dict)
                 if self._wandb_from > 0:
-                    self.print(f"W&B: resumed run {self._wandb.id}, which has steps up to {self._wandb_from - 1}: "
-                               f"those this launch logs again go to {METRICS_FILE} only")
+                    self.print(f"W&B: resumed run {self._wandb.id}, which has steps up to {self._wandb_from - 1}; "
+                               f"the steps this launch logs again are not sent to it")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` (flat or nested dict of scalars, host or device) as step `step`."""
