@@ -112,6 +112,7 @@ log = MetricsLogger(sys.argv[1], LogConfig(tensorboard=False, progress=False, wa
                     total_steps=100)
 for step in range(first, last + 1):
     log.log(step, {"train/loss": 1.0 / step})
+log.flush()  # a run directory in a bucket: what train.py does before each checkpoint, and every 30 s
 print("logged", flush=True)
 if then == "hang":
     time.sleep(600)
@@ -153,23 +154,32 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def test_a_killed_and_relaunched_run_logs_into_one_wandb_run_whose_steps_never_go_back(tmp_path):
-    """Two launches of one run directory, W&B offline: the first killed after logging steps 1-8 (its last checkpoint
-    was step 6), the second resumed from 6, logging 7-10. Both write into the W&B run whose id the first stored, and
-    the relaunch sends W&B only the steps past the ones already logged (offline W&B cannot know what an earlier
-    launch sent; online it would drop the older steps, with a warning each)."""
-    run_dir, env = tmp_path / "run", {**os.environ, **wandb_env(tmp_path)}
-    killed = subprocess.Popen([sys.executable, "-c", WANDB_LAUNCH, str(run_dir), "1", "8", "hang"], env=env,
+@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.slow)])  # gs: 8 s more
+def test_a_killed_and_relaunched_run_logs_into_one_wandb_run_whose_steps_never_go_back(where, tmp_path, request):
+    """Two launches of one run directory (local, or in a bucket: the id stored there, W&B's files in this host's
+    cache), W&B offline: the first killed after logging steps 1-8 (its last checkpoint was step 6), the second
+    resumed from 6, logging 7-10. Both write into the W&B run whose id the first stored, and the relaunch sends W&B
+    only the steps past the ones already logged (offline W&B cannot know what an earlier launch sent; online it
+    would drop the older steps, with a warning each)."""
+    from olmo3eqx import storage
+
+    if where == "local":
+        run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "run" / "wandb"
+    else:
+        run_dir = request.getfixturevalue("stores").url(where, tmp_path.name, "run")
+        wandb_dir = tmp_path / "home" / ".cache" / "olmo3eqx" / "wandb" / "wandb"  # storage.local_cache_dir()
+    env = {**os.environ, **wandb_env(tmp_path), "HOME": str(tmp_path / "home")}
+    killed = subprocess.Popen([sys.executable, "-c", WANDB_LAUNCH, run_dir, "1", "8", "hang"], env=env,
                               stdout=subprocess.PIPE, text=True)
     assert killed.stdout.readline().strip() == "logged"
     killed.kill()
     killed.wait()
-    run_id = (run_dir / "wandb_id").read_text().strip()
-    p = subprocess.run([sys.executable, "-c", WANDB_LAUNCH, str(run_dir), "7", "10", "close"], env=env,
+    run_id = storage.read_text(storage.join(run_dir, "wandb_id")).strip()
+    p = subprocess.run([sys.executable, "-c", WANDB_LAUNCH, run_dir, "7", "10", "close"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"W&B: resumed run {run_id}, which has steps up to 8" in p.stderr
-    launches = sorted((run_dir / "wandb").glob("offline-run-*"))  # named by start time, then the run id
+    launches = sorted(wandb_dir.glob("offline-run-*"))  # named by start time, then the run id
     assert [d.name.rsplit("-", 1)[1] for d in launches] == [run_id] * 2
     records = wandb_records(launches[1] / f"run-{run_id}.wandb")
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]

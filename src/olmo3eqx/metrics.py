@@ -314,8 +314,10 @@ def open_wandb(wandb, run_dir: str, cfg: LogConfig, config_dict: Mapping[str, An
     relaunch recomputes the steps after its checkpoint, which the W&B run may already hold, and W&B drops (with a
     warning each) any step below the one it has reached: the first step to send is the higher of W&B's own (online,
     its server's) and one past the highest in metrics.jsonl, which logs every step before W&B does (offline W&B
-    knows nothing of earlier launches). Its files go to the run directory, or with a run directory in a bucket to
-    this host's cache (storage.local_cache_dir). allow_val_change: a relaunch may change compute-only settings."""
+    knows nothing of earlier launches; in a bucket metrics.jsonl lags by up to REMOTE_FLUSH_SECONDS, so offline W&B
+    may get the steps of a killed launch's last seconds again). Its files go to the run directory, or with a run
+    directory in a bucket to this host's cache (storage.local_cache_dir). allow_val_change: a relaunch may change
+    compute-only settings (the mesh of a resized run)."""
     id_file = storage.join(run_dir, WANDB_ID_FILE)
     run_id = storage.read_text(id_file).strip() if storage.isfile(id_file) else ""
     if not run_id:
