@@ -371,8 +371,8 @@ class MetricsLogger:
             else:
                 self._wandb, self._wandb_from = open_wandb(wandb, run_dir, cfg, config_dict)
                 if self._wandb_from > 0:
-                    self.print(f"W&B: resumed run {self._wandb.id}, which has steps up to {self._wandb_from - 1}; "
-                               f"the steps this launch logs again are not sent to it")
+                    self.print(f"W&B: resumed run {self._wandb.id}, which has steps up to {self._wandb_from - 1}: "
+                               f"any of those this launch logs again is not sent to it")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` (flat or nested dict of scalars, host or device) as step `step`."""
