@@ -4,6 +4,7 @@ with ENOSPC), SIGKILL inside checkpoint writes and inside metrics.jsonl appends.
 
 import calendar
 import contextlib
+import datetime
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,7 @@ import pytest
 
 from olmo3eqx import exits
 from olmo3eqx.config import ConfigError, LogConfig
-from olmo3eqx.checkpoint import Checkpointer, StorageError, format_bytes, tree_bytes
+from olmo3eqx.checkpoint import Checkpointer, Retention, StorageError, format_bytes, tree_bytes
 from olmo3eqx.metrics import MetricsLogger, TAIL_CHUNK, IndexLog, drop_torn_tail, read_metrics
 from olmo3eqx.runlock import LOCK_FILE, RunLock, RunLocked
 from test_train import CONFIG, ROOT, env
@@ -156,13 +158,13 @@ from orbax.checkpoint._src.serialization import serialization
 real_write = serialization.async_serialize_from_host
 
 async def write_or_fail(rslices, spec, *args, **kwargs):
-    if "/{step}.orbax-checkpoint-tmp" in str(spec):
+    if "/{step}.orbax-checkpoint-tmp" in str(spec) or "/{step}/state" in str(spec):  # locally; in a bucket
         raise OSError(errno.ENOSPC, "No space left on device (test hook)")
     return await real_write(rslices, spec, *args, **kwargs)
 '''
 """The fallback where no tmpfs can be mounted: orbax's array writes of checkpoint {step} fail with ENOSPC inside
 orbax's background write path, as a full disk fails them (install: serialization.async_serialize_from_host =
-write_or_fail)."""
+write_or_fail). In a bucket orbax writes a step under its final name."""
 
 
 def fail_writes(monkeypatch, step: int) -> None:
@@ -431,6 +433,34 @@ def test_sigkill_inside_a_checkpoint_write_resumes_from_the_newest_committed(tmp
     assert all(len(v) == 1 for v in by_step.values()), by_step  # steps 3.. logged twice, bit-identically
 
 
+def test_sigkill_after_an_ephemeral_checkpoint_resumes_from_it_into_the_same_wandb_run(tmp_path, shared):
+    """checkpoint.every 4, ephemeral_every 3, keep 2, 8 steps, W&B offline: killed the moment checkpoint 8's write
+    starts, when ephemeral 6 is the newest committed (3 went when 4 committed); the relaunch resumes from 6, logs
+    steps 7-8 bit-identically to the killed launch, deletes 6 once 8 commits, and logs into the killed launch's W&B
+    run (sending it none of the steps the killed launch logged)."""
+    from test_metrics import wandb_env, wandb_records
+
+    cfg = write_config(tmp_path / "kill.yaml", KILL_CONFIG.replace("STEPS", "8"), shared)
+    run_dir = tmp_path / "run"
+    cmd = [*train_cmd(cfg, run_dir), "--checkpoint.every", "4", "--checkpoint.ephemeral-every", "3", "--log.wandb"]
+    ckpt, environ = run_dir / "e2e" / "checkpoints", {**trainer_env(shared), **wandb_env(tmp_path)}
+    kill = kill_inside_write(cmd, environ, ckpt, step=8, delay_s=0.0)
+    assert kill.inside and kill.committed == [4, 6], kill
+    resume(cmd, environ, ckpt, kill)
+    assert kill.resumed_from == 6 and committed(ckpt) == [4, 8]
+    by_step: dict[int, list[float]] = {}
+    for step, loss in logged_losses(run_dir):
+        by_step.setdefault(step, []).append(loss)
+    assert sorted(by_step) == list(range(1, 9))
+    assert [len(by_step[s]) for s in (7, 8)] == [2, 2] and all(len(set(v)) == 1 for v in by_step.values()), by_step
+    run_id = (run_dir / "e2e" / "wandb_id").read_text().strip()
+    launches = sorted((run_dir / "e2e" / "wandb").glob("offline-run-*"))
+    assert [d.name.rsplit("-", 1)[1] for d in launches] == [run_id] * 2
+    relaunch = wandb_records(launches[1] / f"run-{run_id}.wandb")
+    assert [r.run.run_id for r in relaunch if r.WhichOneof("record_type") == "run"] == [run_id]
+    assert not [r for r in relaunch if r.WhichOneof("record_type") == "history"]  # steps 7-8: the killed launch's
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_inside_checkpoint_writes(tmp_path, shared):
     """Many kills at random moments of random checkpoint writes, each relaunch killed again, against an
@@ -488,6 +518,97 @@ def write_windows(cmd: list[str], env: dict, ckpt: Path) -> list[float]:
         time.sleep(0.001)
     assert proc.returncode == 0, proc.stderr.read()[-3000:]
     return windows
+
+
+# --- ephemeral checkpoints ---------------------------------------------------------------------------------
+
+def kept(policy, steps: list[int]) -> list[int]:
+    """The steps an orbax preservation policy keeps of committed `steps` (oldest first, as orbax lists them)."""
+    from orbax.checkpoint import checkpoint_managers
+
+    infos = [SimpleNamespace(step=s, metrics=None, time=datetime.datetime(2026, 1, 1) + datetime.timedelta(hours=s))
+             for s in steps]
+    return [s for s, keep in zip(steps, policy.should_preserve(infos, context=checkpoint_managers.PreservationContext()))
+            if keep]
+
+
+def test_without_ephemeral_checkpoints_retention_is_orbaxs_max_to_keep_and_keep_period():
+    from orbax.checkpoint import checkpoint_managers as cm
+
+    rng = random.Random(54)
+    for _ in range(300):
+        keep, keep_every = rng.randint(1, 4), rng.choice([0, 2, 3, 5])
+        steps = sorted(rng.sample(range(1, 40), rng.randint(1, 12)))
+        orbax = cm.AnyPreservationPolicy([cm.LatestN(keep)] + ([cm.EveryNSteps(keep_every)] if keep_every else []))
+        assert kept(Retention(keep, keep_every), steps) == kept(orbax, steps), (keep, keep_every, steps)
+
+
+def test_ephemeral_steps_never_push_permanent_ones_out_of_keep():
+    every_4 = Retention(keep=2, keep_every=8, permanent_every=4, last_step=30)
+    assert kept(every_4, [3, 4, 5, 6, 7]) == [4, 7]  # one permanent step and the newest
+    assert kept(every_4, [4, 8, 9, 12, 13, 14]) == [8, 12, 14]  # 4 out of keep 2; 8 a multiple of keep_every
+    assert kept(every_4, [8, 12, 13, 16]) == [8, 12, 16]  # the newest is permanent: ephemeral 13 goes
+    assert kept(every_4, [12, 20, 29, 30]) == [20, 30]  # the last step is permanent
+    assert kept(every_4, [12, 13, 14]) == [12, 14]  # two ephemeral steps (a crash between commit and delete)
+
+
+def test_ephemeral_every_must_be_below_every():
+    from olmo3eqx.config import CheckpointConfig
+
+    with pytest.raises(ConfigError, match=r"^checkpoint\.ephemeral_every \(1000\) must be below checkpoint\.every "
+                                          r"\(1000\): [^.]*\.$"):
+        CheckpointConfig(every=1000, ephemeral_every=1000)
+    with pytest.raises(ConfigError, match=r"^checkpoint\.ephemeral_every must be non-negative, got -1\.$"):
+        CheckpointConfig(ephemeral_every=-1)
+    assert [s for s in range(1, 13) if CheckpointConfig(every=4, ephemeral_every=3).due(s, 11)] == [3, 4, 6, 8, 9, 11,
+                                                                                                    12]
+
+
+def bucket_or_local(store: str, tmp_path: Path, request) -> str | Path:
+    if store == "local":
+        return tmp_path / "ckpt"
+    return request.getfixturevalue("stores").url(store, tmp_path.name, "ckpt")
+
+
+def on_store(ck: Checkpointer) -> list[int]:
+    """The committed steps as the store lists them now (no listing this process cached)."""
+    from olmo3eqx import storage
+
+    storage.forget_listings(str(ck.directory))
+    return ck.intact_steps()
+
+
+@pytest.mark.parametrize("store", ["local", "gs", "s3"])
+def test_one_ephemeral_checkpoint_at_a_time_deleted_only_once_a_newer_one_commits(store, tmp_path, request,
+                                                                                  monkeypatch):
+    """checkpoint.every 4, ephemeral_every 3, keep 2, 10 steps, async saves: after each save commits the store holds
+    the newest two permanent steps and the newest step; a save that fails leaves the ephemeral step before it in
+    place, and the relaunch's save of that step deletes it."""
+    from olmo3eqx.config import CheckpointConfig
+
+    cfg, last = CheckpointConfig(every=4, keep=2, ephemeral_every=3), 10
+    directory = bucket_or_local(store, tmp_path, request)
+    state = {"a": jnp.arange(1024.0)}
+    saves = [s for s in range(1, last + 1) if cfg.due(s, last)]
+    assert saves == [3, 4, 6, 8, 9, 10]
+    want = {3: [3], 4: [4], 6: [4, 6], 8: [4, 8], 9: [4, 8, 9], 10: [8, 10]}
+    ck = Checkpointer(directory, keep=cfg.keep, permanent_every=cfg.every, last_step=last)
+    for step in saves[:-1]:
+        ck.save(step, state, {"batches_consumed": step}, {"model": {}})
+        ck.wait()
+        assert on_store(ck) == want[step], step
+    fail_writes(monkeypatch, step=10)
+    ck.save(10, state, {"batches_consumed": 10}, {"model": {}})
+    with pytest.raises(StorageError, match="Checkpoint 10 could not be written"):
+        ck.wait()
+    ck.close()
+    monkeypatch.undo()
+    assert on_store(ck) == [4, 8, 9]  # the failed write deleted nothing
+    ck = Checkpointer(directory, keep=cfg.keep, permanent_every=cfg.every, last_step=last)  # the relaunch
+    ck.save(10, state, {"batches_consumed": 10}, {"model": {}})
+    ck.wait()
+    assert on_store(ck) == want[10]
+    ck.close()
 
 
 # --- SIGKILL inside metrics.jsonl appends ------------------------------------------------------------------

@@ -2,9 +2,12 @@
 
 import json
 import math
+import os
 import struct
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -97,6 +100,92 @@ def test_wandb_missing_warns(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, installed or not
     with pytest.warns(UserWarning, match="wandb"):
         MetricsLogger(tmp_path, LogConfig(tensorboard=False, progress=False, wandb=True), total_steps=10).close()
+
+
+WANDB_LAUNCH = """
+import sys, time
+from olmo3eqx.config import LogConfig
+from olmo3eqx.metrics import MetricsLogger
+
+first, last, then = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+log = MetricsLogger(sys.argv[1], LogConfig(tensorboard=False, progress=False, wandb=True, wandb_group="g"),
+                    total_steps=100)
+for step in range(first, last + 1):
+    log.log(step, {"train/loss": 1.0 / step})
+log.flush()  # a run directory in a bucket: what train.py does before each checkpoint, and every 30 s
+print("logged", flush=True)
+if then == "hang":
+    time.sleep(600)
+log.close()
+"""
+"""One launch of a run as the logger sees it: steps first..last logged, then closed, or left hanging to be killed."""
+
+
+def wandb_env(tmp_path) -> dict:
+    """The environment variables for W&B offline, every file of it under tmp_path (no network, nothing in the home
+    directory)."""
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+            "WANDB_CACHE_DIR": str(tmp_path / "cache"), "WANDB_DATA_DIR": str(tmp_path / "data")}
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a W&B transaction log (run-<id>.wandb): a 7-byte header (":W&B", magic, version),
+    then LevelDB's log format (32 KiB blocks of chunks: crc32c, length, type; a record is one FULL chunk or
+    FIRST, MIDDLE..., LAST), each record a wandb_internal_pb2.Record. A torn tail (a killed writer) ends the list."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", data[:7]
+    pos, records, parts = 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        if kind == 0 or len(chunk) < length:
+            break
+        pos, parts = pos + 7 + length, parts + chunk
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.slow)])  # gs: 8 s more
+def test_a_killed_and_relaunched_run_logs_into_one_wandb_run_whose_steps_never_go_back(where, tmp_path, request):
+    """Two launches of one run directory (local, or in a bucket: the id stored there, W&B's files in this host's
+    cache), W&B offline: the first killed after logging steps 1-8 (its last checkpoint was step 6), the second
+    resumed from 6, logging 7-10. Both write into the W&B run whose id the first stored, and the relaunch sends W&B
+    only the steps past the ones already logged (offline W&B cannot know what an earlier launch sent; online it
+    would drop the older steps, with a warning each)."""
+    from olmo3eqx import storage
+
+    if where == "local":
+        run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "run" / "wandb"
+    else:
+        run_dir = request.getfixturevalue("stores").url(where, tmp_path.name, "run")
+        wandb_dir = tmp_path / "home" / ".cache" / "olmo3eqx" / "wandb" / "wandb"  # storage.local_cache_dir()
+    env = {**os.environ, **wandb_env(tmp_path), "HOME": str(tmp_path / "home")}
+    killed = subprocess.Popen([sys.executable, "-c", WANDB_LAUNCH, run_dir, "1", "8", "hang"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().strip() == "logged"
+    killed.kill()
+    killed.wait()
+    run_id = storage.read_text(storage.join(run_dir, "wandb_id")).strip()
+    p = subprocess.run([sys.executable, "-c", WANDB_LAUNCH, run_dir, "7", "10", "close"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"W&B: resumed run {run_id}, which has steps up to 8" in p.stderr
+    launches = sorted(wandb_dir.glob("offline-run-*"))  # named by start time, then the run id
+    assert [d.name.rsplit("-", 1)[1] for d in launches] == [run_id] * 2
+    records = wandb_records(launches[1] / f"run-{run_id}.wandb")
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert [(r.run_id, r.run_group) for r in runs] == [(run_id, "g")]
+    assert [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"] == [9, 10]
+    assert [r["step"] for r in read_metrics(run_dir)] == [*range(1, 9), *range(7, 11)]  # metrics.jsonl keeps all
 
 
 def test_progress_bar_shows_loss_throughput_and_mfu(tmp_path, capsys):

@@ -116,3 +116,32 @@ def test_presets_leave_full_remat_only_for_a_gain_beyond_the_models_error(preset
         assert chip in taken, f"{preset}: remat_by_chip {chip}={policy} has no stored plan behind it"
     for chip, take in taken.items():
         assert entries.get(chip, "full") == take, (preset, chip, take, f"error {error:.3f}")
+
+
+EPHEMERAL_LOSS_S = 30 * 60
+"""What a failure may lose at most on the planned slice, the presets' checkpoint.ephemeral_every being set by it
+(docs/checkpoints.md): K x predicted step x PREDICTION_FACTOR, K the largest divisor of checkpoint.every that fits."""
+PREDICTION_FACTOR = 1.35
+"""How much slower than predicted a measured step was at most, among the validation rows at 8192 tokens (rounded
+up; docs/tpu-gpu.md#against-published-measurements)."""
+
+
+def test_the_prediction_factor_covers_every_validated_row_at_8192_tokens():
+    found = bench_tpu_validate.ratios(stored("tpu_validation.json"))
+    at_8192 = [found[row.key] for row in bench_tpu_validate.PUBLISHED
+               if row.key in found and load_yaml(REPO / row.args[1]).data.seq_len == 8192]
+    assert len(at_8192) >= 5 and max(at_8192) <= PREDICTION_FACTOR < max(at_8192) + 0.01, at_8192
+
+
+@pytest.mark.parametrize("preset", sorted({key.split("/")[0] for key in stored_or_none("tpu_plan.json")}))
+def test_presets_ephemeral_checkpoints_lose_at_most_30_minutes_of_the_slowest_planned_slice(preset):
+    plans = stored("tpu_plan.json")
+    error = bench_tpu_validate.model_error(stored("tpu_validation.json"))
+    steps = {}
+    for topology in sorted({key.split("/")[1] for key in plans if key.startswith(f"{preset}/")}):
+        rows = bench_tpu_plan.candidates(bench_tpu_plan.plan_rows(plans, preset, topology), heads_of(preset))
+        steps[topology] = float(bench_tpu_plan.preset_remat(rows, error)[0]["step"])
+    ckpt = load_yaml(REPO / "configs" / preset).checkpoint
+    fits = [k for k in range(1, ckpt.every) if ckpt.every % k == 0 and
+            k * max(steps.values()) * PREDICTION_FACTOR <= EPHEMERAL_LOSS_S]
+    assert ckpt.ephemeral_every == max(fits), (preset, steps)

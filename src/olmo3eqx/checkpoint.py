@@ -552,22 +552,49 @@ class QuietStorageFailures(logging.Filter):
             sys.unraisablehook = self.unraisable
 
 
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """Which committed steps survive a save (an orbax PreservationPolicy): the newest `keep` permanent steps, every
+    multiple of `keep_every`, and the newest step of all. With `permanent_every` (checkpoint.every when ephemeral
+    checkpoints are on) only multiples of it and `last_step` are permanent: any other step (an ephemeral save, a
+    preemption's) survives only while it is the newest, so it never pushes a permanent one out of `keep`. 0: every
+    step is permanent (orbax's max_to_keep and keep_period). orbax asks after it has listed the step being saved, and
+    deletes what this drops only once that step is committed (asynchronously in its finalize thread, after the
+    commit): a crash in between leaves the older step too, never no checkpoint."""
+
+    keep: int
+    keep_every: int = 0
+    permanent_every: int = 0
+    last_step: int | None = None
+
+    def permanent(self, step: int) -> bool:
+        return not self.permanent_every or step % self.permanent_every == 0 or step == self.last_step
+
+    def should_preserve(self, checkpoints, *, context=None) -> list[bool]:
+        steps = [info.step for info in checkpoints]
+        newest = max(steps, default=None)
+        kept = set(sorted(s for s in steps if self.permanent(s))[-self.keep:])
+        return [s in kept or s == newest or (self.keep_every > 0 and s % self.keep_every == 0) for s in steps]
+
+
 class Checkpointer:
     """Composite checkpoints of a train state: `state` (the TrainState's arrays, one tree), `data` (the iterator
     state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the state after N updates and a
-    data state that has consumed exactly N global batches.
+    data state that has consumed exactly N global batches. Which steps are kept: Retention (keep, keep_every,
+    permanent_every, last_step).
 
     Saves run in orbax's background thread (with async_save): a failure there surfaces at `poll()` (the loop calls
     it every step, so a run on a full disk stops at the step after the failed write, not at the next save), `save`,
     `wait` or `close`, always as StorageError when the storage is to blame."""
 
-    def __init__(self, directory: str | StorePath, *, keep: int, keep_every: int = 0, async_save: bool = True):
+    def __init__(self, directory: str | StorePath, *, keep: int, keep_every: int = 0, permanent_every: int = 0,
+                 last_step: int | None = None, async_save: bool = True):
         self.directory = checkpoint_dir(directory, "run.dir", write=True)
         self.remote = is_remote(self.directory)
         self.keep = keep
+        self.retention = Retention(keep, keep_every, permanent_every, last_step)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_every or None, enable_async_checkpointing=async_save,
-            create=True)
+            preservation_policy=self.retention, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=TRAIN_ITEMS)
         QuietStorageFailures().install()
         self.checkpoint_bytes: int | None = None
@@ -593,7 +620,8 @@ class Checkpointer:
     def check_space(self, state_bytes: int, warn) -> None:
         """Before the first save: StorageError when the free space cannot hold one more checkpoint (training on
         would end in a failed save), a warning when it cannot hold the checkpoint.keep + 1 that are on disk at once
-        (orbax deletes the oldest only after the newest commits). A checkpoint's size is the newest one's on disk,
+        (orbax deletes the oldest only after the newest commits), + 2 with ephemeral checkpoints (the newest
+        ephemeral one stays until the next save commits). A checkpoint's size is the newest one's on disk,
         else `state_bytes` (an upper bound: orbax compresses trained float32 weights by ~10%). A bucket has no free
         space to ask about: nothing is checked there (a quota that stops a write is a StorageError then)."""
         if self.remote:
@@ -602,13 +630,15 @@ class Checkpointer:
         intact = self.intact_steps()
         size = directory_bytes(self.directory / str(intact[-1])) if intact else state_bytes
         self.checkpoint_bytes = size
-        free, at_peak = self.free_bytes(), max(1, self.keep + 1 - len(intact))
+        ephemeral = self.retention.permanent_every > 0
+        free, at_peak = self.free_bytes(), max(1, self.keep + 1 + ephemeral - len(intact))
         if free < size:
             raise self.storage_error(f"{self.directory} has {format_bytes(free)} free, less than the "
                                      f"{format_bytes(size)} the next checkpoint needs")
         if free < at_peak * size:
             warn(f"warning: a checkpoint takes about {format_bytes(size)} and {at_peak} more will be on disk at "
-                 f"once (checkpoint.keep {self.keep} plus the one being written), but {self.directory} has "
+                 f"once (checkpoint.keep {self.keep}{', the newest ephemeral one' if ephemeral else ''} and the one "
+                 f"being written), but {self.directory} has "
                  f"{format_bytes(free)} free: room for {free // size}. Free space or lower checkpoint.keep before a "
                  f"save fails.")
 
@@ -639,7 +669,9 @@ class Checkpointer:
             raise
         except Exception as e:
             code = storage_errno(e)
-            reason = remote_failure(e) if self.remote and code is None else None
+            reason = None  # a bucket's failure is said in its own words: it has no free space to report
+            if self.remote:
+                reason = remote_failure(e) or (os.strerror(code) if code is not None else None)
             if code is None and reason is None:
                 raise
             self._failed, self._writing = True, None

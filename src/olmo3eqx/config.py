@@ -380,11 +380,25 @@ class CheckpointConfig:
     """Newest checkpoints kept."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    ephemeral_every: int = 0
+    """Also save every this many steps a checkpoint that is deleted once a newer one is committed (OLMo-core's
+    ephemeral_save_interval), so a crash loses at most this many steps; 0: none. Must be below `every`. With it on,
+    every checkpoint whose step is not a multiple of `every` (nor the last step) is ephemeral, a preemption's too,
+    and does not count toward `keep`; a resume takes the newest checkpoint of either kind."""
     async_save: bool = True
     """Write checkpoints in the background (the step loop only waits for the device-to-host copy)."""
 
     def __post_init__(self):
-        check_signs(self, "checkpoint", positive=("every", "keep"), non_negative=("keep_every",))
+        check_signs(self, "checkpoint", positive=("every", "keep"), non_negative=("keep_every", "ephemeral_every"))
+        if self.ephemeral_every >= self.every:
+            raise ConfigError(f"checkpoint.ephemeral_every ({self.ephemeral_every}) must be below checkpoint.every "
+                              f"({self.every}): ephemeral checkpoints are the frequent ones kept only until the next "
+                              f"checkpoint (0 turns them off).")
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether the loop saves after `step` (a preemption's save aside)."""
+        return (step % self.every == 0 or step == last_step or
+                (self.ephemeral_every > 0 and step % self.ephemeral_every == 0))
 
 
 @dataclass(frozen=True)
@@ -450,7 +464,12 @@ class LogConfig:
     wandb: bool = False
     """Log to Weights & Biases (needs the `wandb` package; a warning and no W&B without it)."""
     wandb_project: str = "olmo3eqx"
-    """W&B project; the run is named after run.name."""
+    """W&B project; the run is named after run.name. Every launch of a run directory logs into one W&B run, whose id
+    the first launch stores in run_dir/wandb_id."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) the run belongs to; None: the API key's default entity."""
+    wandb_group: str | None = None
+    """W&B group the run is shown in (e.g. the stages of one model, or the runs of an ablation); None: no group."""
     progress: bool = True
     """Show a progress bar (step, loss, tokens/s, MFU, ETA) on stderr."""
     indices: bool = False

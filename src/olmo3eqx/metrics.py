@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -38,6 +39,8 @@ from olmo3eqx.config import LogConfig
 from olmo3eqx.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_id"
+"""In the run directory: the id of the W&B run every launch of the run logs into (written by the first)."""
 TB_DIR = "tb"
 REMOTE_FLUSH_SECONDS = 30.0
 """How often the lines logged to a run directory in a bucket are appended to their objects (and before each
@@ -305,6 +308,30 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def open_wandb(wandb, run_dir: str, cfg: LogConfig, config_dict: Mapping[str, Any] | None):
+    """(the W&B run of `run_dir`, the first step to send it). The first launch stores a new run id in
+    run_dir/WANDB_ID_FILE; every launch resumes that run (resume="allow": created if W&B does not have it). A
+    relaunch recomputes the steps after its checkpoint, which the W&B run may already hold, and W&B drops (with a
+    warning each) any step below the one it has reached: the first step to send is the higher of W&B's own (online,
+    its server's) and one past the highest in metrics.jsonl, which logs every step before W&B does (offline W&B
+    knows nothing of earlier launches; in a bucket metrics.jsonl lags by up to REMOTE_FLUSH_SECONDS, so offline W&B
+    may get the steps of a killed launch's last seconds again). Its files go to the run directory, or with a run
+    directory in a bucket to this host's cache (storage.local_cache_dir). allow_val_change: a relaunch may change
+    compute-only settings (the mesh of a resized run)."""
+    id_file = storage.join(run_dir, WANDB_ID_FILE)
+    run_id = storage.read_text(id_file).strip() if storage.isfile(id_file) else ""
+    if not run_id:
+        run_id = secrets.token_hex(6)  # W&B takes any id free of / \ # ? % :
+        storage.write_text(id_file, run_id + "\n")
+    metrics_file = storage.join(run_dir, METRICS_FILE)
+    logged = [r["step"] for r in read_metrics(metrics_file)] if storage.isfile(metrics_file) else []
+    local = storage.local_cache_dir() / "wandb" if storage.is_url(run_dir) else run_dir
+    run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, group=cfg.wandb_group,
+                     name=storage.basename(run_dir), id=run_id, resume="allow", dir=str(local),
+                     config=dict(config_dict or {}), allow_val_change=True)
+    return run, max(run.step, max(logged, default=-1) + 1)
+
+
 class MetricsLogger:
     """Writes each `log(step, metrics)` to every sink enabled in `cfg`; a no-op when not `enabled`.
 
@@ -323,6 +350,7 @@ class MetricsLogger:
         self._bar = None
         self._tb = None
         self._wandb = None
+        self._wandb_from = 0  # the first step the W&B run does not have yet
         self._file = None
         self._flushed = time.monotonic()
         if not enabled:
@@ -341,9 +369,10 @@ class MetricsLogger:
                 warnings.warn("log.wandb is true but the `wandb` package is not installed; W&B logging is off "
                               "(pip install wandb, or pass --log.wandb false).", stacklevel=2)
             else:
-                local = storage.local_cache_dir() / "wandb" if storage.is_url(run_dir) else run_dir
-                self._wandb = wandb.init(project=cfg.wandb_project, name=storage.basename(run_dir), dir=str(local),
-                                         config=dict(config_dict or {}))
+                self._wandb, self._wandb_from = open_wandb(wandb, run_dir, cfg, config_dict)
+                if self._wandb_from > 0:
+                    self.print(f"W&B: resumed run {self._wandb.id}, which has steps up to {self._wandb_from - 1}: "
+                               f"any of those this launch logs again is not sent to it")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` (flat or nested dict of scalars, host or device) as step `step`."""
@@ -355,7 +384,7 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.scalar(k, v, int(step))
-        if self._wandb is not None:
+        if self._wandb is not None and step >= self._wandb_from:
             self._wandb.log(values, step=int(step))
         if self._progress:
             self._update_bar(int(step), values)

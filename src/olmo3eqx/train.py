@@ -290,8 +290,10 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
         from olmo3eqx.data import corpus
 
         log.print(corpus.describe(cfg.data.cache_dir))
-    checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep,
-                                keep_every=cfg.checkpoint.keep_every, async_save=cfg.checkpoint.async_save)
+    ckpt = cfg.checkpoint
+    checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=ckpt.keep, keep_every=ckpt.keep_every,
+                                permanent_every=ckpt.every if ckpt.ephemeral_every else 0, last_step=cfg.steps,
+                                async_save=ckpt.async_save)
     index_log = metrics.IndexLog(run_dir, jax.process_index(), cfg.log.indices)
     try:
         start, state, data_state = starting_point(cfg, layout, checkpointer, log.print)
@@ -320,7 +322,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                 state, step_metrics = train_step(state, *layout.put_batch(batch))
                 report(queue.push(step, step_metrics))
                 stop = preemption.check(step)
-                save_due = step % cfg.checkpoint.every == 0 or step == cfg.steps or stop is not None
+                save_due = ckpt.due(step, cfg.steps) or stop is not None
                 eval_due = evaluator is not None and evaluator.due(step)
                 if save_due or eval_due:
                     report(queue.flush())  # never checkpoint or evaluate a non-finite state
