@@ -581,12 +581,14 @@ import sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import multihost_utils
 jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-from olmo3eqx import exits, runlock
+from olmo3eqx import exits, metrics, runlock
 
 
 @exits.command
 def main():
     with runlock.lock_run(sys.argv[3], process_index=jax.process_index(), process_count=2, warn=print) as lock:
+        i = jax.process_index()
+        metrics.SkipLog(sys.argv[3], i == 0).write(7, np.array([2**40 + i, i]), float("nan"), 1.0)
         for step in range(1, 3001):
             print(f"step {step}", flush=True)
             lock.check()
@@ -597,7 +599,8 @@ def main():
 
 sys.exit(main())
 """
-"""Two processes looping over 'steps' (a collective each) under lock_run's lease until it stops them."""
+"""Two processes under lock_run's lease: each writes its half of a skipped batch, then they loop over 'steps' (a
+collective each) until the lease stops them."""
 
 
 def test_two_processes_stop_at_the_same_step_when_process_0s_lease_store_is_away(stores, tmp_path):
@@ -619,6 +622,8 @@ def test_two_processes_stop_at_the_same_step_when_process_0s_lease_store_is_away
     errors = [error_lines(err) for _, err in results]
     assert all(len(e) == 1 for e in errors), errors
     assert "the lease of run directory" in errors[0][0] and "process 0 reports that the lease" in errors[1][0]
+    (skipped,) = storage.read_text(storage.join(run, "skipped_batches.jsonl")).splitlines()
+    assert json.loads(skipped)["index"] == [2**40, 0, 2**40 + 1, 1]  # both halves, int64 ids intact
 
 
 # --- init_from, convert.py both ways, evaluate and compare on URLs ---------------------------------------

@@ -295,7 +295,9 @@ class SkipLog:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            index = multihost_utils.process_allgather(index, tiled=True)
+            # as uint32 pairs: JAX without x64 would cut int64 ids to int32
+            pairs = np.ascontiguousarray(index, dtype=np.int64).view(np.uint32)
+            index = np.ascontiguousarray(multihost_utils.process_allgather(pairs, tiled=True)).view(np.int64)
         if self.primary:
             if self._file is None:
                 self._file = open_append(self.path)

@@ -34,9 +34,12 @@ Entry flags (before the others):
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
                           ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan a GPU node
                           (h100x8, h200x8: simulated CPU devices, the CPU compiler's memory against the GPUs')
-  --until-done            supervise: relaunch this command after a crash or preemption until it finishes
-  --retry-backoff S       with --until-done: seconds to wait after a crash (default 300)
-  --max-restarts N        with --until-done: give up after N relaunches (default 20)
+  --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
+                          after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
+                          or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
+  --retry-backoff S       with --until-done: seconds to wait after a crash or storage failure (default 300)
+  --max-restarts N        with --until-done: give up after more than N failures within 24 h; preemptions do not
+                          count (default 20)
 """
 SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1}
 DATA_ORDER_DIR = "data_order"
