@@ -7,7 +7,7 @@ to launch again, and logs why:
 - after `backoff_s` after a crash or a storage failure (exit 74: a full disk or a store that is away is not back in a
   moment, and a relaunch stops before training while it stays so); these count toward `max_restarts`, over a sliding
   window of RESTART_WINDOW_S (24 h): the supervisor gives up when more than `max_restarts` of them fall within one
-  window (a crash loop: with the default 300 s backoff, 21 failures take under two hours), while a run that fails now
+  window (a crash loop: with the default 300 s backoff, 21 failures take about two hours), while a run that fails now
   and then over months is relaunched every time;
 - never after an exit that a relaunch cannot fix: bad input (exit 2, which includes another trainer holding the run)
   and a non-finite loss (exit 3: the trainer already skipped optim.max_nonfinite non-finite steps in a row; resuming
