@@ -734,3 +734,70 @@ def test_what_a_restore_raised_is_classified_and_only_damage_skips_a_step():
     for outcome, errors in cases.items():
         got = [restore_failure(e)[0] for e in errors]
         assert got == [outcome] * len(errors), [(str(e)[:60], g) for e, g in zip(errors, got) if g != outcome]
+
+
+# --- a non-finite step ---------------------------------------------------------------------------------
+
+NAN_AT = '''
+import sys
+import numpy as np
+from olmo3eqx import train
+
+real_train_data = train.train_data
+
+
+class NanAt:
+    """The run's own batches, with every instance of the batches in {batches} weighted NaN: their loss and
+    gradients are NaN, as a batch that overflows the forward pass makes them."""
+
+    def __init__(self, data, start):
+        self.data, self.drawn = data, start
+
+    def __next__(self):
+        batch = next(self.data)
+        if self.drawn in {batches}:
+            batch = {{**batch, "mask": np.full_like(batch["mask"], np.nan)}}
+        self.drawn += 1
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+
+train.train_data = lambda cfg, start, data_state: NanAt(real_train_data(cfg, start, data_state), start)
+sys.exit(train.main(sys.argv[1:]))
+'''
+"""train.py whose data gives NaN-weighted batches at the 0-based batch numbers {batches}: a fault made in the data,
+the train step untouched."""
+
+
+def test_one_nonfinite_step_is_skipped_logged_and_the_run_finishes(tmp_path, shared):
+    from olmo3eqx.config import load_yaml
+    from olmo3eqx.sharding import build_layout
+
+    cfg = write_config(tmp_path / "e2e.yaml", CONFIG.replace("eval: {every: 4, batches: 1}", "eval: {every: 0}"),
+                       shared)
+    cmd = [sys.executable, "-c", NAN_AT.format(batches={4}), *train_cmd(cfg, tmp_path)[2:], "--steps", "6",
+           "--checkpoint.every", "1", "--checkpoint.keep", "6", "--log.indices"]
+    p = subprocess.run(cmd, env=trainer_env(shared), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "warning: step 5 had a non-finite loss" in p.stderr and not error_lines(p.stderr), p.stderr[-3000:]
+    run = tmp_path / "e2e"
+    logged = {r["step"]: r for r in read_metrics(run) if "train/loss" in r}
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert [logged[s]["train/skipped"] for s in range(1, 7)] == [0, 0, 0, 0, 1, 0]
+    assert np.isnan(logged[5]["train/loss"]) and np.isfinite(logged[6]["train/loss"])
+    (skipped,) = [json.loads(line) for line in (run / "skipped_batches.jsonl").read_text().splitlines()]
+    drawn = {json.loads(line)["step"]: json.loads(line)["index"]
+             for line in (run / "indices" / "process_0.jsonl").read_text().splitlines()}
+    assert skipped["step"] == 5 and skipped["index"] == drawn[5] and len(skipped["index"]) == 8
+    assert skipped["loss"] is None  # NaN, written as null
+    # Step 5 changed nothing but the step counter and the data position; step 6 trained again.
+    target = build_layout(load_yaml(cfg)).state_target()
+    ck = Checkpointer(run / "checkpoints", keep=6)
+    (s4, d4), (s5, d5), (s6, _) = (ck.restore(step, target) for step in (4, 5, 6))
+    ck.close()
+    assert (int(s4.step), int(s5.step), d4["batches_consumed"], d5["batches_consumed"]) == (4, 5, 4, 5)
+    for a, b in zip(jax.tree.leaves((s4.model, s4.opt_state)), jax.tree.leaves((s5.model, s5.opt_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(s6.model.embed), np.asarray(s5.model.embed))

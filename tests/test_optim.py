@@ -452,6 +452,20 @@ def test_spike_skip_is_skip_step_adamws(window):
     assert int(optax.tree.get(opt_state, "count")) == int(state["step"]) == steps - sum(ref_skipped)
 
 
+@pytest.mark.parametrize("spike_guard", [False, True])
+@pytest.mark.parametrize("loss,grad_norm", [(math.nan, 1.0), (math.inf, 1.0), (1.0, math.nan), (1.0, math.inf)])
+def test_a_nonfinite_loss_or_grad_norm_is_skipped_whatever_the_spike_guard(spike_guard, loss, grad_norm):
+    """A NaN/inf loss or grad norm keeps the old trees bit for bit, with the guard off and inside its warm-up; a
+    finite step there is applied."""
+    c = cfg(spike_guard=spike_guard, spike_window=8)
+    new, old = {"w": jnp.ones(3)}, {"w": jnp.zeros(3)}
+    for (l, g), skipped in (((1.0, 1.0), False), ((loss, grad_norm), True)):
+        skip, spike, out = guard_update(c, SpikeGuardState.init(8), jnp.float32(l), jnp.float32(g), new, old)
+        assert bool(skip) == skipped
+        np.testing.assert_array_equal(out["w"], (old if skipped else new)["w"])
+        assert int(spike.count) == (1 if spike_guard and not skipped else 0)  # a non-finite value is never recorded
+
+
 def test_spike_history_survives_a_resume(tmp_path):
     """The guard's history is part of the train state: a run saved and resumed makes the decisions of an uninterrupted
     one. OLMo-core's lives in memory: after a restart its warm-up starts again and would let this spike through."""

@@ -1,7 +1,8 @@
 """`python train.py` with its run directory and its data in object stores (fake-gcs-server, moto's S3) and on a web
 server, all on 127.0.0.1 (tests/stores.py): killed with SIGKILL and relaunched, preempted, resumed on another device
 count, through a store outage short (survived) and long (exit 74, then resumed), two processes writing one run, the
-lease; every loss compared with the same run on local disk, nothing written under the working directory."""
+lease (refused, taken over, lost to a store away: exit 74 on every process at the same step); every loss compared with
+the same run on local disk, nothing written under the working directory."""
 
 import json
 import os
@@ -500,6 +501,129 @@ def test_an_expired_lease_of_another_host_is_taken_over_and_its_holder_stops(sch
         holder.check()
     holder.release()
     assert json.loads(storage.read_bytes(url))["host"] == "another-host"  # a lost lease is left to its new holder
+
+
+def test_a_lease_the_store_keeps_from_renewing_stops_its_holder_with_the_storage_exit_code(stores, monkeypatch):
+    """The store away for longer than the lease: check() raises a StorageError (exit 74, relaunched after the
+    backoff), not RunLocked; it stays raised once the store is back (another trainer may have taken the run
+    meanwhile), and the release leaves the lease to expire instead of waiting on the store."""
+    from olmo3eqx.errors import StorageError
+    from olmo3eqx.runlock import LOCK_FILE, RunLease
+
+    monkeypatch.setenv("OLMO3EQX_LEASE_SECONDS", "1")
+    monkeypatch.setenv("OLMO3EQX_STORAGE_RETRY_SECONDS", "0.5")
+    run = stores.url("gs", f"lease-{uuid.uuid4().hex[:6]}", "e2e")
+    holder = RunLease(run).acquire(warn=pytest.fail)
+    time.sleep(1.5)  # renewed meanwhile: still held
+    holder.check()
+    with stores.down("gs"):
+        time.sleep(1.5)  # longer than the lease
+        with pytest.raises(StorageError) as stopped:
+            holder.check()
+    assert stopped.value.code == exits.STORAGE
+    assert f"the lease of run directory {run} could not be renewed for 1 s" in str(stopped.value)
+    assert "relaunch to resume" in str(stopped.value)
+    time.sleep(0.5)  # the store is back; a renewal that lands now does not bring the lease back
+    with pytest.raises(StorageError):
+        holder.check()
+    holder.release()
+    assert json.loads(storage.read_bytes(storage.join(run, LOCK_FILE)))["pid"] == os.getpid()
+
+
+@pytest.mark.slow  # 40 s; the default suite keeps the lease's StorageError (above) and two processes stopping together
+def test_a_run_whose_lease_store_is_away_past_the_lease_exits_74_and_its_relaunch_resumes(setup, reference,
+                                                                                           stores, tmp_path):
+    """S3 away for longer than the lease (2 s here) but shorter than the storage retries: the run waits out its
+    reads and writes, then stops with exit 74 (not 2) naming the lease; what it committed is intact and a relaunch
+    takes the lease back and logs the local run's losses bit for bit."""
+    base, cfg = setup
+    root = stores.url("s3", f"runs-{uuid.uuid4().hex[:6]}")
+    run = storage.join(root, "e2e")
+    # data read from S3 at every step (no prefetch): the outage holds the loop within a step
+    data = data_flags(upload_corpus(base, stores, "s3"), glob=False) + ["--data.prefetch", "0",
+                                                                       "--data.num-threads", "0"]
+    first = Watch(launch(cfg, root, tmp_path, *data, environ={"OLMO3EQX_LEASE_SECONDS": "2",
+                                                              "OLMO3EQX_STORAGE_RETRY_SECONDS": "60"}))
+    first.wait_for("eval step 4")
+    with stores.down("s3"):
+        time.sleep(4)
+    code, err = first.finish()
+    assert code == exits.STORAGE, err[-3000:]
+    errors = error_lines(err)
+    assert len(errors) == 1 and f"the lease of run directory {run} could not be renewed for 2 s" in errors[0], \
+        err[-3000:]
+    assert committed(run, 4) and "Traceback" not in err
+    code, err = finish(launch(cfg, root, tmp_path, *data))
+    assert code == 0, err[-3000:]
+    assert "taking over the lease" in err and f"resumed from {run}/checkpoints/" in err
+    assert losses(run) == reference
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_skipped_batches_are_in_a_bucket_run_directory_before_the_next_step(scheme, stores):
+    from olmo3eqx.metrics import SKIPPED_FILE, SkipLog
+
+    run = stores.url(scheme, f"skips-{uuid.uuid4().hex[:6]}", "e2e")
+    skips = SkipLog(run, primary=True)
+    assert not storage.exists(storage.join(run, SKIPPED_FILE))  # no file until a step is skipped
+    expected = [{"step": 5, "loss": None, "grad_norm": 2.0, "index": [5, 15]},
+                {"step": 7, "loss": 1.5, "grad_norm": None, "index": [7, 17]}]  # NaN and inf written as null
+    for n, (step, loss, grad_norm) in enumerate(((5, float("nan"), 2.0), (7, 1.5, float("inf"))), start=1):
+        skips.write(step, np.array([step, 10 + step]), loss, grad_norm)
+        lines = storage.read_text(storage.join(run, SKIPPED_FILE)).splitlines()
+        assert [json.loads(line) for line in lines] == expected[:n]
+    skips.close()
+
+
+AGREE = """
+import sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from olmo3eqx import exits, metrics, runlock
+
+
+@exits.command
+def main():
+    with runlock.lock_run(sys.argv[3], process_index=jax.process_index(), process_count=2, warn=print) as lock:
+        i = jax.process_index()
+        metrics.SkipLog(sys.argv[3], i == 0).write(7, np.array([2**40 + i, i]), float("nan"), 1.0)
+        for step in range(1, 3001):
+            print(f"step {step}", flush=True)
+            lock.check()
+            multihost_utils.process_allgather(np.int32(step))  # a collective, as a train step has
+            time.sleep(0.02)
+    return 1
+
+
+sys.exit(main())
+"""
+"""Two processes under lock_run's lease: each writes its half of a skipped batch, then they loop over 'steps' (a
+collective each) until the lease stops them."""
+
+
+def test_two_processes_stop_at_the_same_step_when_process_0s_lease_store_is_away(stores, tmp_path):
+    run = stores.url("s3", f"lease-{uuid.uuid4().hex[:6]}", "e2e")
+    port = free_port()
+    procs = []
+    for i in range(2):
+        e = {**base_env(1), "OLMO3EQX_LEASE_SECONDS": "1", "OLMO3EQX_STORAGE_RETRY_SECONDS": "0.5"}
+        procs.append(subprocess.Popen([sys.executable, "-c", AGREE, f"127.0.0.1:{port}", str(i), run], env=e,
+                                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    wait_until(lambda: storage.exists(storage.join(run, "trainer.lock")), procs[0])
+    time.sleep(1.0)  # steps under a held lease
+    with stores.down("s3"):
+        time.sleep(2.0)  # longer than the lease
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [exits.STORAGE] * 2, results
+    last = [[line for line in out.splitlines() if line.startswith("step ")][-1] for out, _ in results]
+    assert last[0] == last[1] and int(last[0].split()[1]) > 1, last
+    errors = [error_lines(err) for _, err in results]
+    assert all(len(e) == 1 for e in errors), errors
+    assert "the lease of run directory" in errors[0][0] and "process 0 reports that the lease" in errors[1][0]
+    (skipped,) = storage.read_text(storage.join(run, "skipped_batches.jsonl")).splitlines()
+    assert json.loads(skipped)["index"] == [2**40, 0, 2**40 + 1, 1]  # both halves, int64 ids intact
 
 
 # --- init_from, convert.py both ways, evaluate and compare on URLs ---------------------------------------

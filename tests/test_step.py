@@ -145,6 +145,27 @@ def test_bf16_params_keep_float32_moments_and_grads():
     assert moments and all(x.dtype == jnp.float32 for x in moments)
 
 
+def test_a_nonfinite_step_is_skipped_and_the_next_one_trains():
+    """A batch with one instance weighted NaN (its loss and every gradient NaN) leaves the parameters and the whole
+    optimizer state bit for bit as they were and says train/skipped 1 with the spike guard off (test_optim has it on,
+    for guard_update itself); the step counter moves on and the next batch trains."""
+    cfg = make_cfg()
+    layout = build_layout(dataclasses.replace(cfg, mesh=MeshConfig(max_per_device_batch=BATCH)), jax.devices()[:1])
+    fn = make_train_step(cfg, layout)
+    state, m = fn(layout.init_state(cfg), *batch(0))
+    assert float(m["train/skipped"]) == 0
+    before = host((state.model, state.opt_state))
+    tokens, mask = batch(1)
+    mask[3] = np.nan
+    state, m = fn(state, tokens, mask)
+    assert np.isnan(float(m["train/loss"])) and float(m["train/skipped"]) == 1 and int(state.step) == 2
+    for a, b in zip(host((state.model, state.opt_state)), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, m = fn(state, *batch(2))
+    assert np.isfinite(float(m["train/loss"])) and float(m["train/skipped"]) == 0
+    assert not np.array_equal(host(state.model)[0], before[0])
+
+
 def test_plan_batch_keeps_the_global_batch():
     for n, max_pd, expect in [(1, 4, (4, 8)), (8, 4, (4, 1)), (8, 2, (2, 2)), (2, 3, (2, 8)), (4, 16, (8, 1))]:
         mesh = make_mesh(MeshConfig(), jax.devices()[:n])

@@ -472,12 +472,24 @@ def test_init_from_refuses_any_other_shape_difference(setup, trimmed_hf):
     assert f"has {HF_ROWS} vocabulary rows and the config 384" in moments and "drop --init-optimizer" in moments
 
 
-def test_nonfinite_loss_stops_with_a_clear_message(setup):
+def test_a_run_that_only_produces_nans_stops_after_max_nonfinite_saying_what_was_tried(setup):
+    """LR 1e6 unclipped: step 1's update blows the weights up, and every later batch's loss is non-finite. Steps 2-4
+    are skipped and listed; the third in a row stops the run, before checkpoint 4 would be written."""
     base, cfg = setup
     p = run(cfg, base / "nan", "--optim.lr", "1e6", "--optim.clip-grad-norm", "0", "--optim.warmup-steps", "0",
-            check=False)
-    assert p.returncode == 3, p.stderr[-2000:]
-    assert "non-finite" in p.stderr and "Traceback" not in p.stderr
+            "--optim.max-nonfinite", "3", check=False)
+    assert p.returncode == exits.NONFINITE, p.stderr[-2000:]
+    (error,) = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert "3 consecutive steps (2-4) had a non-finite loss or gradient norm" in error, error
+    assert "the weights are still those of step 1" in error and "optim.spike_guard is off" in error, error
+    assert "The last good checkpoint is none" in error and "skipped_batches.jsonl" in error, error
+    assert "Traceback" not in p.stderr
+    run_dir = base / "nan" / "e2e"
+    assert [json.loads(line)["step"] for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()] == \
+        [2, 3, 4]
+    assert {r["step"]: r["train/skipped"] for r in read_metrics(run_dir) if "train/loss" in r} == \
+        {1: 0, 2: 1, 3: 1, 4: 1}
+    assert not (run_dir / "checkpoints" / "4").exists()
 
 
 def children(pid: int) -> list[int]:

@@ -323,10 +323,15 @@ class OptimConfig:
     """Std devs above the rolling mean that make a step a spike."""
     spike_window: int = 128
     """Steps in the spike guard's rolling window; it judges steps once max(2, window // 2) - 1 are recorded."""
+    max_nonfinite: int = 8
+    """Consecutive steps with a NaN/inf loss or grad norm after which the run stops (exit 3). Each such step is
+    skipped, spike_guard or not: its update is never applied, and its batch is listed in skipped_batches.jsonl.
+    A skip leaves the weights as they were, so 8 different batches failing in a row point at the weights or the
+    hardware, not at one batch; 1 stops at the first, as OLMo-core's trainer does."""
 
     def __post_init__(self):
         check_choices(self, "optim")
-        check_signs(self, "optim", positive=("lr", "eps", "spike_sigma"),
+        check_signs(self, "optim", positive=("lr", "eps", "spike_sigma", "max_nonfinite"),
                     non_negative=("weight_decay", "clip_grad_norm", "z_loss", "warmup_steps"))
         for name in ("b1", "b2"):
             if not 0 <= getattr(self, name) < 1:

@@ -16,8 +16,8 @@ class ConfigError(exits.CommandError, ValueError):
 
 class StorageError(exits.CommandError, RuntimeError):
     """A write to the run's storage failed (disk full, quota, I/O error), its free space cannot hold the next
-    checkpoint, a store stayed unreachable past the retries, or a read stayed short: the command stops with
-    exits.STORAGE; the committed checkpoints are intact."""
+    checkpoint, a store stayed unreachable past the retries (the run's lease too), or a read stayed short: the
+    command stops with exits.STORAGE; the committed checkpoints are intact."""
 
     code = exits.STORAGE
 
@@ -50,4 +50,5 @@ class GenerationError(exits.CommandError, ValueError):
 
 
 class RunLocked(exits.CommandError):
-    """Another live trainer holds the run directory (exit code 2: a relaunch would stop the same way)."""
+    """Another live trainer holds the run directory, or has taken its lease over (exit code 2: a relaunch would stop
+    the same way). A lease lost because the store was away is a StorageError instead (olmo3eqx.runlock)."""

@@ -14,18 +14,23 @@ OK = 0
 PARITY_FAILED = 1
 """convert.py: the converted model's logits are further from `transformers`' than --max-kl allows."""
 BAD_INPUT = 2
-"""Bad input (a missing file, a config that contradicts itself or a checkpoint, an optional extra not installed):
-one sentence on stderr, nothing lost. A relaunch would fail the same way."""
+"""Bad input (a missing file, a config that contradicts itself or a checkpoint, an optional extra not installed,
+another trainer holding the run or taking its lease over): one sentence on stderr, nothing lost. A relaunch would
+fail the same way."""
 NONFINITE = 3
-"""train.py: a non-finite loss or gradient norm; no checkpoint of the bad state was written."""
+"""train.py: optim.max_nonfinite consecutive steps had a NaN/inf loss or gradient norm. Each was skipped (its update
+never applied, its batch listed in skipped_batches.jsonl), so no checkpoint holds a non-finite state; resuming is
+bit-identical, so a relaunch would replay the same batches on the same weights: `--until-done` does not relaunch."""
 STORAGE = 74
 """A write to the run directory failed (disk full, quota, read-only or failing storage; EX_IOERR), the free space
-cannot hold the next checkpoint, a bucket or web server stayed unreachable past the retries, or a read of it stayed
-short (olmo3eqx.storage): one sentence names the directory or URL and the last intact checkpoint. Nothing is set
-aside: `--until-done` relaunches after its backoff, not at once, and a relaunch resumes from that checkpoint (and
+cannot hold the next checkpoint, a bucket or web server stayed unreachable past the retries, a read of it stayed
+short (olmo3eqx.storage), or the run's lease in a bucket could not be renewed for its length (olmo3eqx.runlock; every
+process stops at the same step): one sentence names the directory or URL and the last intact checkpoint. Nothing is
+set aside: `--until-done` relaunches after its backoff, not at once, and a relaunch resumes from that checkpoint (and
 stops again before training while the space or the store is still missing)."""
 PREEMPTED = 75
-"""train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume."""
+"""train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume. `--until-done`
+relaunches at once and does not count it toward --max-restarts."""
 
 
 class CommandError(Exception):

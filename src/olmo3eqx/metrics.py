@@ -279,6 +279,41 @@ class IndexLog:
             self._file = None
 
 
+SKIPPED_FILE = "skipped_batches.jsonl"
+
+
+class SkipLog:
+    """The batches of the steps whose update was skipped for a NaN/inf loss or gradient norm: process 0 appends
+    {"step", "loss", "grad_norm", "index"} (`index`: the global instance ids of the whole batch, gathered from every
+    process) to run_dir/skipped_batches.jsonl, each line in the run directory (or its bucket) before the next step.
+    Every process calls `write` at the same step (each holds only its own rows of the batch); the file exists once a
+    step was skipped."""
+
+    def __init__(self, run_dir: str | Path, primary: bool):
+        self.path = storage.join(str(run_dir), SKIPPED_FILE)
+        self.primary = primary
+        self._file = None
+
+    def write(self, step: int, index: np.ndarray, loss: float, grad_norm: float) -> None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            # as uint32 pairs: JAX without x64 would cut int64 ids to int32
+            pairs = np.ascontiguousarray(index, dtype=np.int64).view(np.uint32)
+            index = np.ascontiguousarray(multihost_utils.process_allgather(pairs, tiled=True)).view(np.int64)
+        if self.primary:
+            if self._file is None:
+                self._file = open_append(self.path)
+            append_line(self._file, json.dumps({"step": int(step), "loss": _json_value(loss),
+                                                "grad_norm": _json_value(grad_norm), "index": index.tolist()}))
+            flush(self._file)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def _json_value(v: int | float) -> int | float | None:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 

@@ -254,13 +254,14 @@ def spike_check(state: SpikeGuardState, loss: Float[Array, ""], grad_norm: Float
 
 def guard_update(cfg: OptimConfig, spike: SpikeGuardState, loss: Float[Array, ""], grad_norm: Float[Array, ""],
                  new: T, old: T) -> tuple[Bool[Array, ""], SpikeGuardState, T]:
-    """(skipped, the guard's next state, `new` or, for a skipped step, `old` bit for bit): the spike guard of
-    cfg.spike_guard applied to one update. `new`/`old` are the trees an update changes (parameters and the whole
-    optimizer state, Adam's count included), so a skipped step is an exact no-op for them while the caller's step
-    counter, and with it the learning rate, moves on."""
-    if not cfg.spike_guard:
-        return jnp.zeros((), bool), spike, new
-    skip, spike = spike_check(spike, loss, grad_norm, sigma=cfg.spike_sigma, window=cfg.spike_window)
+    """(skipped, the guard's next state, `new` or, for a skipped step, `old` bit for bit): one update judged. A NaN
+    or inf loss or grad norm is always skipped; with cfg.spike_guard a spike is too (spike_check). `new`/`old` are
+    the trees an update changes (parameters and the whole optimizer state, Adam's count included), so a skipped
+    step is an exact no-op for them while the caller's step counter, and with it the learning rate, moves on."""
+    if cfg.spike_guard:
+        skip, spike = spike_check(spike, loss, grad_norm, sigma=cfg.spike_sigma, window=cfg.spike_window)
+    else:
+        skip = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
     return skip, spike, apply_unless_skipped(skip, new, old)
 
 

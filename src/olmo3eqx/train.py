@@ -34,9 +34,12 @@ Entry flags (before the others):
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
                           ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan a GPU node
                           (h100x8, h200x8: simulated CPU devices, the CPU compiler's memory against the GPUs')
-  --until-done            supervise: relaunch this command after a crash or preemption until it finishes
-  --retry-backoff S       with --until-done: seconds to wait after a crash (default 300)
-  --max-restarts N        with --until-done: give up after N relaunches (default 20)
+  --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
+                          after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
+                          or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
+  --retry-backoff S       with --until-done: seconds to wait after a crash or storage failure (default 300)
+  --max-restarts N        with --until-done: give up after more than N failures within 24 h; preemptions do not
+                          count (default 20)
 """
 SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1}
 DATA_ORDER_DIR = "data_order"
@@ -232,11 +235,13 @@ class Preemption:
 
 
 class NonFiniteLoss(Exception):
-    """Step `step`'s loss or gradient norm is NaN or infinite."""
+    """optim.max_nonfinite consecutive steps, `first` to `step`, had a NaN or infinite loss or gradient norm (each
+    one's update skipped)."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float):
-        super().__init__(f"non-finite loss or gradient norm at step {step} (loss {loss}, grad norm {grad_norm})")
-        self.step = step
+    def __init__(self, step: int, first: int, loss: float, grad_norm: float):
+        super().__init__(f"{step - first + 1} consecutive steps ({first}-{step}) had a non-finite loss or gradient "
+                         f"norm (the last: loss {loss}, grad norm {grad_norm})")
+        self.step, self.first = step, first
 
 
 def train(cfg: TrainConfig, host_note: str | None = None) -> int:
@@ -295,6 +300,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                                 permanent_every=ckpt.every if ckpt.ephemeral_every else 0, last_step=cfg.steps,
                                 async_save=ckpt.async_save)
     index_log = metrics.IndexLog(run_dir, jax.process_index(), cfg.log.indices)
+    skips = metrics.SkipLog(run_dir, primary)
     try:
         start, state, data_state = starting_point(cfg, layout, checkpointer, log.print)
         if start >= cfg.steps:
@@ -308,7 +314,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
         report = Reporter(cfg, log, metrics.ThroughputMeter(
             start_step=start, tokens_per_step=cfg.data.global_batch * cfg.data.seq_len,
             flops_per_token=flops.train_flops_per_token(cfg.model, cfg.data.seq_len),
-            num_devices=jax.device_count(), peak_flops=flops.peak_flops(jax.devices()[0])), first_step=start + 1)
+            num_devices=jax.device_count(), peak_flops=flops.peak_flops(jax.devices()[0])), first_step=start + 1,
+            skips=skips)
         if start == 0 and evaluator is not None:
             evaluator.run(0, state.model)  # the start of the held-out curves
         with Preemption(jax.process_count() > 1) as preemption, \
@@ -319,6 +326,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                 profile(step, state)
                 batch = next(data)
                 index_log.write(step, batch["index"])
+                report.batch(step, batch["index"])
                 state, step_metrics = train_step(state, *layout.put_batch(batch))
                 report(queue.push(step, step_metrics))
                 stop = preemption.check(step)
@@ -342,10 +350,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             log.print(f"sample at step {at}:\n{texts[0]}")
         return exits.OK
     except NonFiniteLoss as e:
-        kept = checkpointer.steps()
-        log.print(f"error: {e}; stopping. The last good checkpoint is "
-                  f"{checkpointer.directory / str(kept[-1]) if kept else 'none'}: lower optim.lr, enable "
-                  f"optim.spike_guard, or inspect the data around batch {e.step - 1}.")
+        log.print(f"error: {e}; stopping at optim.max_nonfinite {cfg.optim.max_nonfinite}. "
+                  f"{nonfinite_tried(cfg, e, checkpointer, skips)}")
         return exits.NONFINITE
     except OSError as e:  # metrics.jsonl, indices: the disk that fills under a save fills under these too
         if storage_errno(e) not in STORAGE_ERRNOS:
@@ -353,7 +359,22 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
         # checkpointer last: it waits for the final write, whose failure (a StorageError) ends the run
-        close_all((index_log.close, log.close, checkpointer.close), failing=sys.exc_info()[1] is not None)
+        close_all((index_log.close, skips.close, log.close, checkpointer.close),
+                  failing=sys.exc_info()[1] is not None)
+
+
+def nonfinite_tried(cfg: TrainConfig, e: NonFiniteLoss, checkpointer, skips) -> str:
+    """What was already tried when NonFiniteLoss stops a run, and what is left to a person."""
+    from olmo3eqx import storage
+
+    kept = checkpointer.steps()
+    last = f"{checkpointer.directory / str(kept[-1])}" if kept else "none (nothing was saved yet)"
+    guard = "on" if cfg.optim.spike_guard else "off"
+    return (f"Already tried: each of those updates was skipped (the weights are still those of step {e.first - 1}; "
+            f"the batches are listed in {storage.redact(skips.path)}); optim.spike_guard is {guard}. The last good "
+            f"checkpoint is {last} (no checkpoint holds a non-finite state). A relaunch would replay the same batches "
+            f"on the same weights, so it is not tried: lower optim.lr, inspect those batches, or raise "
+            f"optim.max_nonfinite, then relaunch to resume.")
 
 
 def close_all(closers, failing: bool) -> None:
@@ -436,29 +457,49 @@ def loop_evaluator(cfg: TrainConfig, layout, log):
 
 
 class Reporter:
-    """Takes each step's fetched metrics: raises NonFiniteLoss on a NaN/Inf loss or gradient norm, logs every
-    log.every steps (and the first and last step) with train/tokens and the throughput since the last log line,
-    and keeps the recent losses the memorisation watch compares with held-out loss."""
+    """Takes each step's fetched metrics: logs every log.every steps (and the first and last step) with train/tokens
+    and the throughput since the last log line, and keeps the recent losses the memorisation watch compares with
+    held-out loss. A step with a NaN/inf loss or gradient norm (its update skipped by the step) is logged whatever
+    log.every says, its batch goes to the SkipLog, and optim.max_nonfinite of them in a row raise NonFiniteLoss."""
 
     RECENT = 20
     """Steps whose mean is the recent train loss."""
 
-    def __init__(self, cfg: TrainConfig, log, meter, first_step: int):
-        self.log, self.meter, self.first_step = log, meter, first_step
+    def __init__(self, cfg: TrainConfig, log, meter, first_step: int, skips):
+        self.log, self.meter, self.first_step, self.skips = log, meter, first_step, skips
         self.every, self.last_step = cfg.log.every, cfg.steps
+        self.max_nonfinite = cfg.optim.max_nonfinite
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
         self.losses: collections.deque[float] = collections.deque(maxlen=self.RECENT)
+        self.batches: collections.deque = collections.deque(maxlen=2)  # the metrics come one step late
+        self.nonfinite_since: int | None = None
+
+    def batch(self, step: int, index) -> None:
+        """The global instance ids this process holds of step `step`'s batch (for the SkipLog)."""
+        self.batches.append((step, index))
 
     def __call__(self, fetched: tuple[int, dict] | None) -> None:
         if fetched is None:
             return
         step, values = fetched
-        if not (math.isfinite(values["train/loss"]) and math.isfinite(values["train/grad_norm"])):
-            raise NonFiniteLoss(step, values["train/loss"], values["train/grad_norm"])
-        self.losses.append(values["train/loss"])
-        if step % self.every == 0 or step == self.last_step or step == self.first_step:
+        loss, grad_norm = values["train/loss"], values["train/grad_norm"]
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.nonfinite_since = None
+            self.losses.append(loss)
+        else:
+            from olmo3eqx import storage
+
+            self.nonfinite_since = self.nonfinite_since or step
+            self.skips.write(step, dict(self.batches)[step], loss, grad_norm)
+            self.log.print(f"warning: step {step} had a non-finite loss ({loss}) or gradient norm ({grad_norm}); "
+                           f"its update was skipped and its batch listed in {storage.redact(self.skips.path)} "
+                           f"({step - self.nonfinite_since + 1} in a row; optim.max_nonfinite {self.max_nonfinite}).")
+        if not finite or step % self.every == 0 or step == self.last_step or step == self.first_step:
             values["train/tokens"] = step * self.tokens_per_step
             self.log.log(step, {**values, **self.meter.measure(step)})
+        if not finite and step - self.nonfinite_since + 1 >= self.max_nonfinite:
+            raise NonFiniteLoss(step, self.nonfinite_since, loss, grad_norm)
 
     def recent_loss(self) -> float | None:
         return sum(self.losses) / len(self.losses) if self.losses else None
