@@ -173,3 +173,46 @@ def test_template_from_tokenizer_config(tmp_path):
     assert chat.ChatTokenizer("bytes", str(tmp_path / "mine.jinja")).render([{"role": "user", "content": "q"}]) == "q"
     with pytest.raises(DataError, match="neither a built-in"):
         chat.ChatTokenizer("bytes", "nonesuch")
+
+
+def test_prepared_chat_trains_as_olmo_core_reads_it(tmp_path):
+    """The files prepare writes, packed: our batches (tokens, label masks, document lengths) equal OLMo-core's
+    NumpyPackedFSLDataset with label_mask_paths on them, and prepare's packed-instance count is the pipeline's."""
+    pytest.importorskip("olmo_core")
+    from olmo_core.data import DataCollator, NumpyDataLoaderBase, NumpyPackedFSLDatasetConfig, TokenizerConfig
+
+    from olmo3eqx.config import DataConfig
+    from olmo3eqx.data import BYTE_PAD, build_train_iterator
+
+    rng = np.random.default_rng(0)
+    rows = [{"messages": [{"role": "user", "content": "q" * int(rng.integers(1, 90))},
+                          {"role": "assistant", "content": "a" * int(rng.integers(1, 90))}]} for _ in range(120)]
+    seq, batch = 128, 4
+    meta = chat.prepare_chat([write_jsonl(tmp_path / "c.jsonl", rows)], tokenizer="bytes", out=tmp_path / "sft",
+                             max_seq_len=seq, shard_tokens=4000, progress=False)
+    tokens = sorted(str(p) for p in (tmp_path / "sft").glob("token_ids_part_*.npy"))
+    masks = sorted(str(p) for p in (tmp_path / "sft").glob("labels_mask_part_*.npy"))
+    assert len(tokens) == len(masks) > 1 and meta["truncated"] > 0
+    dataset = NumpyPackedFSLDatasetConfig(
+        paths=tokens, label_mask_paths=masks, sequence_length=seq, generate_doc_lengths=True,
+        tokenizer=TokenizerConfig(vocab_size=258, eos_token_id=E, pad_token_id=BYTE_PAD),
+        work_dir=str(tmp_path / "oc")).build()
+    dataset.prepare()
+    loader = NumpyDataLoaderBase.wrap_numpy_dataset(dataset, global_batch_size=batch * seq, seed=7, num_threads=0,
+                                                    collator=DataCollator(pad_token_id=BYTE_PAD),
+                                                    work_dir=str(tmp_path / "oc"))
+    loader.reshuffle(epoch=1)
+    want = [{k: b[k].numpy() for k in ("input_ids", "label_mask", "doc_lens")} for b in loader]
+    data = DataConfig(paths=(str(tmp_path / "sft" / "token_ids_part_*.npy"),), packing=True, order="olmo-core",
+                      label_mask_paths=(str(tmp_path / "sft" / "labels_mask_part_*.npy"),), seed=7, seq_len=seq,
+                      global_batch=batch, cache_dir=str(tmp_path / "cache"))
+    it = build_train_iterator(data, seq_len=seq, global_batch=batch, seed=7, shard_index=0, shard_count=1,
+                              vocab_size=258, index_dir=tmp_path / "order", eos_id=E, pad_id=BYTE_PAD)
+    assert it.num_instances == len(dataset) == meta["packed_instances"]
+    for w in want:
+        g = next(it)
+        np.testing.assert_array_equal(g["tokens"], w["input_ids"])
+        np.testing.assert_array_equal(g["label_mask"], w["label_mask"])
+        np.testing.assert_array_equal(g["doc_lens"], w["doc_lens"])
+    assert 0 < sum(int(w["label_mask"].sum()) for w in want) < sum(int((w["input_ids"] != BYTE_PAD).sum())
+                                                                   for w in want)

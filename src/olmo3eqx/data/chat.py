@@ -41,13 +41,18 @@ import numpy as np
 
 from olmo3eqx import exits, storage
 from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
+from olmo3eqx.data.packed import pack_files
 from olmo3eqx.data.prepare import BYTES, DEFAULT_SHARD_TOKENS, EOS_TOKEN, tokenizer_info
 from olmo3eqx.data.source import METADATA, token_dtype_for_vocab
 from olmo3eqx.errors import DataError
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
-"""Built-in templates by name: olmo.jinja (open-instruct's CHAT_TEMPLATES["olmo"], which AI2's OLMo 3 SFT data is
-tokenized with) and bytes.jinja (plain "User: ... / Assistant: ..." turns for the byte-level tokenizer)."""
+"""Built-in templates by name: olmo.jinja and olmo_thinker.jinja (open-instruct's CHAT_TEMPLATES["olmo"], which AI2's
+OLMo 3 SFT data is tokenized with, and its "olmo_thinker", whose generation prompt opens <think>), and bytes.jinja
+(plain "User: ... / Assistant: ..." turns for the byte-level tokenizer)."""
+AI2_SFT_EPOCHS = 2
+AI2_SFT_BATCH_TOKENS = 1_048_576
+"""OLMo 3 7B SFT: 2 epochs of 1,048,576-token batches; prepare prints the steps that makes for the data it wrote."""
 KNOWN_ROLES = ("system", "user", "assistant", "environment")
 """The roles the olmo template renders (any other it would drop without a word)."""
 END_OF_TURN = "<|im_end|>"
@@ -300,7 +305,7 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
     if (out / METADATA).is_file():
         raise DataError(f"{out} already holds prepared files; choose another --out or delete {out}.")
     out.mkdir(parents=True, exist_ok=True)
-    report, files = Report(), []
+    report, files, spans = Report(), [], []
     ids_parts: list[np.ndarray] = []
     mask_parts: list[np.ndarray] = []
     pending = 0
@@ -315,6 +320,8 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
         _write(out / MASK_FILE.format(k), np.concatenate(mask_parts).astype(np.bool_))
         (out / TOKEN_FILE.format(k).replace(".npy", INDEX_SUFFIX)).write_bytes(scan_index(tokens, chat.eos_id))
         files.append([TOKEN_FILE.format(k), MASK_FILE.format(k)])
+        ends = np.cumsum([x.size for x in ids_parts])
+        spans.append(np.stack([ends - [x.size for x in ids_parts], ends], axis=1).astype(np.int64))
         ids_parts, mask_parts, pending = [], [], 0
 
     from tqdm import tqdm
@@ -352,8 +359,15 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
             "rows": report.rows, "conversations": report.kept, "truncated": report.truncated,
             "tokens": report.tokens, "labelled_tokens": report.labelled,
             "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()}}
+    if max_seq_len is not None and not max_seq_len & (max_seq_len - 1):
+        meta["packed_instances"] = int(pack_files(spans, seq_len=max_seq_len, group_size=1)[1].size - 1)
     (out / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
     print(report.sentence() if report.skipped else f"{report.sentence()[:-1]}; no row skipped.", file=sys.stderr)
+    if "packed_instances" in meta:
+        n, per = meta["packed_instances"], max(1, AI2_SFT_BATCH_TOKENS // max_seq_len)
+        print(f"data.packing makes {n:,} instances of {max_seq_len:,} tokens (data.source_group_size 1); AI2's "
+              f"{AI2_SFT_EPOCHS} epochs of {per} instances a batch: --steps {AI2_SFT_EPOCHS * (n // per)}.",
+              file=sys.stderr)
     print(f"Wrote {len(files)} token file(s) and label mask(s) to {out}: data.paths={out}/token_ids_part_*.npy "
           f"data.label_mask_paths={out}/labels_mask_part_*.npy", file=sys.stderr)
     return meta
