@@ -143,7 +143,8 @@ class ChatTokenizer:
 
             self._tok = Tokenizer.from_file(str(Path(tokenizer).expanduser()))
             self.eos_token = self._tok.id_to_token(self.eos_id)
-        self.end_of_turn = (END_OF_TURN,) if self._tok is not None and self._tok.token_to_id(END_OF_TURN) else ()
+        has_end = self._tok is not None and self._tok.token_to_id(END_OF_TURN) is not None
+        self.end_of_turn = (END_OF_TURN,) if has_end else ()
         self.sha256 = hashlib.sha256(self.template.encode()).hexdigest()
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
