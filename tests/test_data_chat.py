@@ -105,6 +105,27 @@ def test_saved_dataset_equals_jsonl(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def test_jsonl_over_https_equals_local(tmp_path):
+    """A JSON Lines file behind a URL (olmo3eqx.storage; gzip'd too) gives the files its local copy gives."""
+    from stores import HttpServer, free_port
+
+    (tmp_path / "www").mkdir()
+    rows = [ONE_TURN, TWO_TURNS, {"messages": []}]
+    write_jsonl(tmp_path / "www" / "c.jsonl", rows)
+    (tmp_path / "www" / "c.jsonl.gz").write_bytes(gzip.compress((tmp_path / "www" / "c.jsonl").read_bytes()))
+    server = HttpServer(tmp_path / "www", free_port())
+    try:
+        meta = chat.prepare_chat([f"{server.url}/c.jsonl", f"{server.url}/c.jsonl.gz"], tokenizer="bytes",
+                                 out=tmp_path / "url", progress=False)
+    finally:
+        server.stop()
+    chat.prepare_chat([str(tmp_path / "www" / "c.jsonl")] * 2, tokenizer="bytes", out=tmp_path / "local",
+                      progress=False)
+    assert meta["skipped"]["malformed"] == {"count": 2, "first": f"{server.url}/c.jsonl line 3"}
+    for x, y in zip(read_out(tmp_path / "url"), read_out(tmp_path / "local")):
+        np.testing.assert_array_equal(x, y)
+
+
 def chat_tokenizer(path):
     """A byte-level BPE with OLMo's special tokens (EOS <|endoftext|>, <|im_start|>, <|im_end|>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -14,7 +14,7 @@ offsets, memory-mapped by every process), the key a hash of the files' paths, si
 and the group size, as OLMo-core keeps its in work_dir/dataset-common/: a relaunch reads no document index at all.
 
 Per instance this gives what OLMo-core's `__getitem__` and collator give: the tokens, `label_mask` (False on the
-padding), and `doc_lens`: the lengths of the documents it holds, then the padding as OLMo-core's
+padding; with label-mask files, OLMo-core's label_mask_paths, each document's mask read beside its tokens), and `doc_lens`: the lengths of the documents it holds, then the padding as OLMo-core's
 get_document_lengths splits it (one more document, or one per PAD when PAD is the EOS id).
 """
 
