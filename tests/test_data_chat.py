@@ -72,7 +72,7 @@ def test_bad_rows_are_counted_in_one_sentence(tmp_path, capsys):
 
 
 def test_cli_exit_code_and_sentence(tmp_path, capsys):
-    from olmo3eqx.data.prepare import cli
+    from olmo3eqx.tools.prepare import main as cli
 
     src = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     assert cli(["chat", "--input", src, "--out", str(tmp_path / "out"), "--quiet"]) == 2

@@ -462,15 +462,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 @exits.command
 def cli(argv: Sequence[str] | None = None) -> int:
-    """The `olmo3eqx-prepare` console script and `python -m olmo3eqx.data.prepare` (main returns the metadata; a
-    command returns its exit code); `olmo3eqx-prepare chat ...` is olmo3eqx.data.chat's command (chat data ->
-    token ids and label masks)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["chat"]:
-        from olmo3eqx.data import chat
-
-        chat.main(argv[1:])
-        return exits.OK
+    """`olmo3eqx-prepare` (through olmo3eqx.tools.prepare) and `python -m olmo3eqx.data.prepare` (main returns the
+    metadata; a command returns its exit code)."""
     main(argv)
     return exits.OK
 
