@@ -127,7 +127,8 @@ def ask(model, chat, questions: list[tuple[int, int]]) -> dict:
     formatted = [c.finish == "eos" and ANSWER.fullmatch(c.text) is not None for c in done]
     right = [f and int(ANSWER.fullmatch(c.text)[1]) == a + b for f, c, (a, b) in zip(formatted, done, questions)]
     return {"format_rate": float(np.mean(formatted)), "correct_rate": float(np.mean(right)),
-            "examples": [f"What is {a}+{b}? -> {c.text!r} ({c.finish})" for (a, b), c in list(zip(questions, done))[:3]]}
+            "examples": [f"What is {a}+{b}? -> {c.text!r} ({c.finish})"
+                         for (a, b), c in list(zip(questions, done))[:3]]}
 
 
 def evaluate(run_dir: Path, questions: list[tuple[int, int]]) -> dict:

@@ -6,7 +6,6 @@ reports them."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
