@@ -61,23 +61,24 @@ def files(tmp_path_factory):
     return paths
 
 
-def data_cfg(paths, group_size: int, cache_dir) -> DataConfig:
+def data_cfg(paths, group_size: int, cache_dir, masks=()) -> DataConfig:
     return DataConfig(paths=tuple(paths), packing=True, source_group_size=group_size,
                       source_permutation_seed=PERMUTATION_SEED, order="olmo-core", seed=SEED, seq_len=SEQ,
-                      global_batch=BATCH, token_dtype="uint32", cache_dir=str(cache_dir))
+                      global_batch=BATCH, token_dtype="uint32", cache_dir=str(cache_dir), label_mask_paths=tuple(masks))
 
 
-def ours(paths, group_size, index_dir, *, shard_count=1, state=None):
-    return [build_train_iterator(data_cfg(paths, group_size, index_dir / "cache"), seq_len=SEQ, global_batch=BATCH, seed=SEED,
-                                 shard_index=s, shard_count=shard_count, vocab_size=VOCAB, state=state,
-                                 index_dir=index_dir, eos_id=EOS, pad_id=PAD) for s in range(shard_count)]
+def ours(paths, group_size, index_dir, *, shard_count=1, state=None, masks=()):
+    return [build_train_iterator(data_cfg(paths, group_size, index_dir / "cache", masks), seq_len=SEQ,
+                                 global_batch=BATCH, seed=SEED, shard_index=s, shard_count=shard_count,
+                                 vocab_size=VOCAB, state=state, index_dir=index_dir, eos_id=EOS, pad_id=PAD)
+            for s in range(shard_count)]
 
 
-def olmo_core_loader(paths, group_size, work_dir):
+def olmo_core_loader(paths, group_size, work_dir, masks=None):
     dataset = NumpyPackedFSLDatasetConfig(
         paths=list(paths), source_permutation_seed=PERMUTATION_SEED, sequence_length=SEQ, generate_doc_lengths=True,
         source_group_size=group_size, tokenizer=TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD),
-        work_dir=str(work_dir)).build()
+        work_dir=str(work_dir), label_mask_paths=masks).build()
     dataset.prepare()
     return dataset, NumpyDataLoaderBase.wrap_numpy_dataset(
         dataset, global_batch_size=BATCH * SEQ, collator=DataCollator(pad_token_id=PAD), work_dir=str(work_dir),
@@ -126,6 +127,29 @@ def test_packed_batches_equal_olmo_core_s(files, tmp_path, group_size):
         flat = (g["segment_ids"] + np.arange(BATCH)[:, None] * SEQ).reshape(-1)
         starts = np.flatnonzero(np.diff(flat, prepend=-1))
         assert np.array_equal(np.append(starts, BATCH * SEQ), cu)
+
+
+def test_packed_sft_batches_with_label_masks_equal_olmo_core_s(files, tmp_path):
+    """data.label_mask_paths (supervised fine-tuning): OLMo-core's label_mask_paths read per document beside the
+    tokens, shuffled with them, truncated with them; the padding stays unlabelled."""
+    rng = np.random.default_rng(1)
+    masks = []
+    for path in files:
+        mask = tmp_path / Path(path).name.replace("part", "mask")
+        (rng.random(np.fromfile(path, np.uint32).size) < 0.5).tofile(mask)
+        masks.append(str(mask))
+    dataset, loader = olmo_core_loader(files, 8, tmp_path / "oc", masks)
+    (it,) = ours(files, 8, tmp_path / "ours", masks=[str(tmp_path / "mask-*.npy")])
+    want = olmo_core_batches(loader, 1)
+    got = [next(it) for _ in want]
+    assert all(same(g, w) for g, w in zip(got, want))
+    labelled = sum(int(b["label_mask"].sum()) for b in got)
+    assert 0.4 < labelled / sum(int((b["tokens"] != PAD).sum()) for b in got) < 0.6  # the masks', not all ones
+    with pytest.raises(DataError, match="names 29 files for 30 token files"):
+        ours(files, 8, tmp_path / "few", masks=masks[:-1])
+    np.zeros(3, np.bool_).tofile(masks[0])
+    with pytest.raises(DataError, match="has 3 entries for"):
+        ours(files, 8, tmp_path / "short", masks=masks)
 
 
 # --- over http(s) with OLMo-core's document indices, and the packing cache ---------------------------------

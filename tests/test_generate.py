@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +265,49 @@ def test_cache_of_the_7b_is_bounded_on_sliding_layers():
     at_65k = dec.cache_bytes(cfg, 1, 65536)
     assert at_8k == per_column * (24 * 4096 + 8 * 8192)
     assert at_65k == per_column * (24 * 4096 + 8 * 65536)
+
+
+def test_chat_renders_the_template_around_the_message(byte_ckpt, capsys):
+    """--chat --system: the completion is generate's on the byte template's rendering, built here by hand; the
+    reply is printed alone."""
+    from olmo3eqx.tasks import Tokenizer
+
+    rc = main(["--ckpt", str(byte_ckpt / "ckpt"), "--tokenizer", "bytes", "--chat", "--system", "Be brief.",
+               "--max-new-tokens", "12", "What is 1+1?"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    model, _ = hf.load_hf(byte_ckpt / "hf")
+    prompt = list(b"System: Be brief.\nUser: What is 1+1?\nAssistant: ")
+    [c] = generate(model, [prompt], max_new_tokens=12, decode=Tokenizer.load("bytes").decode)
+    assert out == c.text + "\n"
+    assert main(["--ckpt", str(byte_ckpt / "ckpt"), "--tokenizer", "bytes", "--system", "x", "q"]) == 2
+    assert "add --chat" in capsys.readouterr().err
+
+
+def test_chat_stops_at_the_templates_end_of_turn(tmp_path, capsys):
+    """With OLMo's template (found in tokenizer_config.json beside the HF directory's tokenizer.json) generation
+    stops at <|im_end|>: a model whose final norm is zero emits id 0, <|im_end|> here, at every step."""
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
+    from olmo3eqx.data import chat
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["What is 1+1? The answer is 2."] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>", "<|endoftext|>", "<|pad|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    vocab = tok.get_vocab_size()
+    cfg = small_cfg(vocab_size=vocab, eos_token_id=1, pad_token_id=2)
+    model = init_model(cfg, jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.norm.weight, model, jnp.zeros_like(model.norm.weight))
+    hf.save_hf(model, cfg, tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    olmo = (chat.TEMPLATES / "olmo.jinja").read_text()
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": olmo}))
+    assert main(["--ckpt", str(tmp_path / "hf"), "--chat", "--system", "Be brief.", "--max-new-tokens", "5",
+                 "What is 1+1?"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "\n" and "[1 tokens" in captured.err and "ended by stop" in captured.err
+    assert main(["--ckpt", str(tmp_path / "hf"), "--max-new-tokens", "5", "What is 1+1?"]) == 0  # no template: on
+    assert "ended by length" in capsys.readouterr().err

@@ -126,6 +126,19 @@ def test_cosine_and_linear_are_olmo_cores_schedulers():
     assert float(lr_at(stage2_steps)) == ref.get_lr(stage2_lr, stage2_steps, stage2_steps) == 0.0
 
 
+@pytest.mark.parametrize("steps", [50, 1017])
+def test_sft_warmup_fraction_is_olmo_core_s(steps):
+    """AI2's SFT schedule: LinearWithWarmup(warmup_fraction=0.03, alpha_f=0), the warmup rounded as OLMo-core rounds
+    it (1017 steps: 30.51 -> 31; 50: 1.5 -> 2)."""
+    lr_at = lr_schedule(cfg(lr=8e-5, warmup_steps=0, warmup_fraction=0.03, final_lr_ratio=0.0, schedule="linear"),
+                        steps)
+    ref = LinearWithWarmup(warmup_fraction=0.03, alpha_f=0.0)
+    for step in range(1, steps + 1):
+        assert float(lr_at(step)) == pytest.approx(ref.get_lr(8e-5, step, steps), rel=1e-6, abs=1e-12), step
+    with pytest.raises(ConfigError, match="warmup_fraction 0.03 must lie in"):
+        cfg(warmup_steps=10, warmup_fraction=0.03)
+
+
 def test_optimizer_applies_the_logged_lr():
     """With a zero gradient the update is -lr(step) * wd * w exactly: the LR applied is lr_schedule's."""
     c = cfg(lr=1e-2, warmup_steps=10, final_lr_ratio=0.1, weight_decay=0.5, no_decay=(), clip_grad_norm=0.0)

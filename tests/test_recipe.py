@@ -189,3 +189,33 @@ def test_32b_preset_is_olmo_cores_olmo3_32b_and_its_pretrain_script():
     assert cfg.data.seq_len * cfg.data.global_batch == PRETRAIN_32B_GLOBAL_BATCH_TOKENS
     assert cfg.steps * cfg.data.global_batch == EPOCH_INSTANCES  # one epoch, as the 7B's
     assert cfg.data.mix == load_yaml(CONFIGS / "olmo3-7b-stage1.yaml").data.mix
+
+
+# src/scripts/train/sft/Olmo-3-7B-SFT.py (OLMo-core) and open-instruct's scripts/train/olmo3/ (../shared/OLMO_CORE.md)
+SFT_LR = {"olmo3-7b-sft-instruct.yaml": 8e-5, "olmo3-7b-sft-think.yaml": 5e-5}
+SFT_SEQUENCE_LENGTH, SFT_GLOBAL_BATCH_TOKENS = 32768, 1_048_576
+SFT_WARMUP_FRACTION = 0.03  # LinearWithWarmup(warmup_fraction=0.03, alpha_f=0.0)
+SFT_DATA_SEED = 34521  # NumpyDataLoaderConfig(seed=34521)
+
+
+@pytest.mark.parametrize("preset", sorted(SFT_LR))
+def test_sft_presets_are_ai2s_sft_script(preset):
+    from olmo_core.optim import LinearWithWarmup
+
+    from olmo3eqx.optim import lr_schedule
+
+    cfg = load_yaml(CONFIGS / preset)
+    o = cfg.optim
+    assert o.lr == SFT_LR[preset] and (o.b1, o.b2) == BETAS and o.weight_decay == 0.0 and o.z_loss == 0.0
+    assert o.clip_grad_norm == MAX_GRAD_NORM and o.spike_guard and o.schedule == "linear" and o.final_lr_ratio == 0
+    assert (cfg.data.seq_len, cfg.data.seq_len * cfg.data.global_batch) == (SFT_SEQUENCE_LENGTH,
+                                                                            SFT_GLOBAL_BATCH_TOKENS)
+    assert (cfg.data.packing, cfg.data.source_group_size, cfg.data.source_permutation_seed) == (True, 1, None)
+    assert cfg.data.seed == SFT_DATA_SEED and cfg.data.order == "olmo-core" and cfg.data.label_mask_paths
+    assert cfg.init_from and not cfg.init_optimizer
+    stage3 = load_yaml(CONFIGS / "olmo3-7b-stage3.yaml")
+    assert cfg.model == stage3.model  # TransformerConfig.olmo3_7B with YaRN(8, 32, 1, 8192): the stage-3 model
+    ref = LinearWithWarmup(warmup_fraction=SFT_WARMUP_FRACTION, alpha_f=0.0)
+    ours = lr_schedule(o, cfg.steps)
+    for s in (1, 29, 30, 31, 500, cfg.steps - 1, cfg.steps):
+        assert float(ours(s)) == pytest.approx(float(ref.get_lr(o.lr, s, cfg.steps)), rel=1e-5, abs=1e-12), s

@@ -255,6 +255,10 @@ class DataConfig:
     masked out of the loss, attention kept within each document (docs/stages.md)."""
     source_group_size: int = 1
     """With packing: files packed together as one group (OLMo-core's source_group_size; stage 3: 8)."""
+    label_mask_paths: tuple[str, ...] = ()
+    """With packing: OLMo-core's label masks, one np.bool_ file per token file of data.paths (same order, same
+    length), True where a token is a label (supervised fine-tuning: `olmo3eqx-prepare chat` writes them); empty:
+    every token but the padding."""
     source_permutation_seed: int | None = None
     """Shuffle the training files with Python's random.Random(seed) before anything else, as OLMo-core's
     source_permutation_seed does (stage 3: 123); None keeps their order."""
@@ -284,6 +288,10 @@ class DataConfig:
         if self.packing and self.seq_len & (self.seq_len - 1):
             raise ConfigError(f"data.packing needs a power-of-two data.seq_len (OLMo-core's packer), got "
                               f"{self.seq_len}.")
+        check_paths(self.label_mask_paths, "data.label_mask_paths")
+        if self.label_mask_paths and not (self.packing and self.paths):
+            raise ConfigError("data.label_mask_paths needs data.packing and data.paths (one mask file per token "
+                              "file); set both, or drop the masks.")
         if self.source_permutation_seed is not None and self.source_permutation_seed < 0:
             raise ConfigError(f"data.source_permutation_seed must be non-negative, got {self.source_permutation_seed}.")
 
@@ -307,6 +315,9 @@ class OptimConfig:
     """Parameter path substrings excluded from weight decay (OLMo: the embedding only)."""
     warmup_steps: int = 2000
     """Linear warmup: step s <= warmup_steps has lr * s / warmup_steps; 0 starts at the peak."""
+    warmup_fraction: float | None = None
+    """Warmup as a share of the run instead: round(warmup_fraction * steps) steps (OLMo-core's warmup_fraction;
+    AI2's SFT: 0.03); needs warmup_steps 0."""
     schedule: Literal["cosine", "linear", "olmo3-stage1"] = "cosine"
     """cosine: warmup then one cosine to final_lr_ratio x lr at the last step; linear: warmup then linear to
     final_lr_ratio x lr; olmo3-stage1: the LR of AI2's stage-1 run at each step, whatever `steps` (warmup, the cosine
@@ -338,6 +349,10 @@ class OptimConfig:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}.")
         if not 0 <= self.final_lr_ratio <= 1:
             raise ConfigError(f"optim.final_lr_ratio must be in [0, 1], got {self.final_lr_ratio}.")
+        if self.warmup_fraction is not None and not (0 <= self.warmup_fraction <= 1 and self.warmup_steps == 0):
+            raise ConfigError(f"optim.warmup_fraction {self.warmup_fraction} must lie in [0, 1] with "
+                              f"optim.warmup_steps 0 (one of them sets the warmup), got warmup_steps "
+                              f"{self.warmup_steps}.")
         if self.spike_window < 2:
             raise ConfigError(f"optim.spike_window must be at least 2, got {self.spike_window}.")
 

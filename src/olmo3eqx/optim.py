@@ -54,7 +54,8 @@ def olmo3_stage1_switch_step(warmup_steps: int) -> int:
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Int[ArrayLike, ""]], Float[Array, ""]]:
     """The learning rate of 1-based step `s`, for a run of `total_steps` steps.
 
-    Warmup (W = cfg.warmup_steps > 0): `lr * s / W` for s <= W, so step 1 has lr/W and step W the peak.
+    Warmup (W = cfg.warmup_steps, or round(cfg.warmup_fraction * total_steps) as OLMo-core rounds it, > 0):
+    `lr * s / W` for s <= W, so step 1 has lr/W and step W the peak.
     Then with progress `p = (s - W) / (total_steps - W)` (clipped to [0, 1]) and `r = cfg.final_lr_ratio`:
       cosine: `lr * (r + (1 - r) * (1 + cos(pi * p)) / 2)`, one half-cosine from lr at step W to r * lr
               at step total_steps;
@@ -66,7 +67,8 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> Callable[[Int[ArrayLike, 
     Steps past the end keep the final value; a run no longer than its warmup ends inside it.
     Accepts a Python int or a traced integer.
     """
-    peak, warmup, final = cfg.lr, cfg.warmup_steps, cfg.final_lr_ratio
+    peak, final = cfg.lr, cfg.final_lr_ratio
+    warmup = cfg.warmup_steps if cfg.warmup_fraction is None else round(cfg.warmup_fraction * total_steps)
     if cfg.schedule == "olmo3-stage1":
         switch = olmo3_stage1_switch_step(warmup)
 

@@ -14,7 +14,7 @@ offsets, memory-mapped by every process), the key a hash of the files' paths, si
 and the group size, as OLMo-core keeps its in work_dir/dataset-common/: a relaunch reads no document index at all.
 
 Per instance this gives what OLMo-core's `__getitem__` and collator give: the tokens, `label_mask` (False on the
-padding), and `doc_lens`: the lengths of the documents it holds, then the padding as OLMo-core's
+padding; with label-mask files, OLMo-core's label_mask_paths, each document's mask read beside its tokens), and `doc_lens`: the lengths of the documents it holds, then the padding as OLMo-core's
 get_document_lengths splits it (one more document, or one per PAD when PAD is the EOS id).
 """
 
@@ -34,7 +34,8 @@ from jaxtyping import Bool, Int, Int32, Int64
 from olmo3eqx import storage
 from olmo3eqx.data.cache import build_once
 from olmo3eqx.data.documents import document_spans, file_key, key_hash
-from olmo3eqx.data.source import check_ids, expand_paths, open_tokens, parallel, read_slices, stem
+from olmo3eqx.data.source import (RemoteTokens, Tokens, check_ids, expand_paths, open_tokens, parallel, read_slices,
+                                  stem)
 from olmo3eqx.errors import DataError
 
 PACKING_DIR = "packing"
@@ -155,12 +156,28 @@ def pack_files(spans: Sequence[Int64[np.ndarray, "_ 2"]], *, seq_len: int,
     return np.concatenate(documents), offsets
 
 
+def open_label_mask(path: str, tokens: Tokens) -> Tokens:
+    """A label-mask file (np.bool_, one byte per token, OLMo-core's label_mask_paths) as a read-only memmap or
+    RemoteTokens, after checking it has as many entries as its token file has tokens."""
+    remote = storage.is_url(path)
+    if not (storage.isfile(path) if remote else os.path.isfile(path)):
+        raise DataError(f"Label mask file {storage.redact(path)} does not exist; fix data.label_mask_paths.")
+    size = storage.size(path) if remote else os.path.getsize(path)
+    if size != tokens.size:
+        raise DataError(f"Label mask file {storage.redact(path)} has {size:,} entries for {tokens.size:,} tokens; "
+                        f"data.label_mask_paths must pair each token file with its own mask, in data.paths' order.")
+    if size == 0:
+        return np.zeros(0, np.bool_)
+    return RemoteTokens(path, np.dtype(np.bool_), size) if remote else np.memmap(path, np.bool_, mode="r")
+
+
 class PackedSource:
     """Random access to the packed instances of a list of token files (the TokenSource interface plus `read_packed`)."""
 
     def __init__(self, paths: Sequence[str], *, seq_len: int, eos_id: int, pad_id: int, cache_dir: str | os.PathLike,
                  group_size: int = 1, token_dtype: str = "auto", vocab_size: int | None = None,
-                 labels: Sequence[str] | None = None, what: str = "data.paths"):
+                 labels: Sequence[str] | None = None, what: str = "data.paths",
+                 label_mask_paths: Sequence[str] | None = None):
         if seq_len <= 0 or group_size <= 0:
             raise DataError(f"seq_len and data.source_group_size must be positive, got {seq_len}, {group_size}.")
         files = expand_paths(paths, what)
@@ -171,6 +188,9 @@ class PackedSource:
         self.labels = list(labels) if labels is not None else [stem(p) for p in files]
         self._arrays = parallel(lambda p: open_tokens(p, token_dtype=token_dtype, vocab_size=vocab_size, what=what),
                                 files, remote=any(map(storage.is_url, files)))
+        self._masks = None if label_mask_paths is None else parallel(
+            lambda pa: open_label_mask(*pa), list(zip(label_mask_paths, self._arrays)),
+            remote=any(map(storage.is_url, label_mask_paths)))
         self.fingerprint = [[storage.basename(p), a.size * a.dtype.itemsize] for p, a in zip(files, self._arrays)]
         key = [PACKING_FORMAT, seq_len, eos_id, group_size] + [file_key(p, a) for p, a in zip(files, self._arrays)]
         cache = Path(cache_dir).expanduser()
@@ -208,6 +228,7 @@ class PackedSource:
         docs = [np.asarray(self._documents[self._offsets[i]:self._offsets[i + 1]]) for i in ids.tolist()]
         flat = np.concatenate(docs) if docs else np.zeros((0, 3), np.int64)
         parts = read_slices([(self._arrays[f], a, b) for f, a, b in flat.tolist()])
+        masks = None if self._masks is None else read_slices([(self._masks[f], a, b) for f, a, b in flat.tolist()])
         tokens = np.full((ids.size, self.seq_len), self.pad_id, np.int32)
         label_mask = np.zeros((ids.size, self.seq_len), bool)
         lens, first = [], 0
@@ -220,7 +241,7 @@ class PackedSource:
                     check_ids(self.paths[f], part, self.vocab_size)
             n = int(sum(p.size for p in row_parts))
             tokens[row, :n] = np.concatenate(row_parts)
-            label_mask[row, :n] = True
+            label_mask[row, :n] = True if masks is None else np.concatenate(masks[first - len(row_docs):first])
             lens.append(np.concatenate([(row_docs[:, 2] - row_docs[:, 1]).astype(np.int32),
                                         document_lengths(tokens[row, n:], self.eos_id)]))
         doc_lens = np.zeros((ids.size, max((x.size for x in lens), default=0)), np.int32)

@@ -92,11 +92,28 @@ def training_files(data_cfg: DataConfig) -> tuple[list[str], list[str] | None]:
         files, labels = expand_paths(data_cfg.paths, "data.paths"), None
     else:
         files, labels = sorted(str(p) for p in default_corpus(data_cfg.cache_dir).glob("train_*.npy")), None
-    if data_cfg.source_permutation_seed is None:
-        return files, labels
-    order = list(range(len(files)))  # OLMo-core's NumpyDatasetConfig._resolve_paths_metadata, line for line
-    random.Random(data_cfg.source_permutation_seed).shuffle(order)
-    return [files[i] for i in order], None if labels is None else [labels[i] for i in order]
+    return permuted(files, data_cfg.source_permutation_seed), None if labels is None else permuted(
+        labels, data_cfg.source_permutation_seed)
+
+
+def permuted(items: list, seed: int | None) -> list:
+    """`items` shuffled by data.source_permutation_seed (None: as they are)."""
+    if seed is None:
+        return items
+    order = list(range(len(items)))  # OLMo-core's NumpyDatasetConfig._resolve_paths_metadata, line for line
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in order]
+
+
+def label_mask_files(data_cfg: DataConfig, num_files: int) -> list[str] | None:
+    """data.label_mask_paths expanded and shuffled as the token files are (one per file), or None when unset."""
+    if not data_cfg.label_mask_paths:
+        return None
+    masks = expand_paths(data_cfg.label_mask_paths, "data.label_mask_paths")
+    if len(masks) != num_files:
+        raise DataError(f"data.label_mask_paths names {len(masks)} files for {num_files} token files in data.paths; "
+                        f"give one mask per token file, in the same order.")
+    return permuted(masks, data_cfg.source_permutation_seed)
 
 
 def heldout_files(data_cfg: DataConfig) -> list[str]:
@@ -250,7 +267,8 @@ def build_train_iterator(data_cfg: DataConfig, *, seq_len: int, global_batch: in
         if eos_id is None or pad_id is None:
             raise DataError("data.packing needs the EOS and PAD token ids (model.eos_token_id, model.pad_token_id).")
         source = PackedSource(files, eos_id=eos_id, pad_id=pad_id, group_size=data_cfg.source_group_size,
-                              cache_dir=data_cfg.cache_dir, **common)
+                              cache_dir=data_cfg.cache_dir, label_mask_paths=label_mask_files(data_cfg, len(files)),
+                              **common)
     else:
         source = TokenSource(files, max_target_seq_len=data_cfg.max_target_seq_len, **common)
     consumed = 0

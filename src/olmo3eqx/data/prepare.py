@@ -462,8 +462,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 @exits.command
 def cli(argv: Sequence[str] | None = None) -> int:
-    """The `olmo3eqx-prepare` console script and `python -m olmo3eqx.data.prepare` (main returns the metadata; a
-    command returns its exit code)."""
+    """`olmo3eqx-prepare` (through olmo3eqx.tools.prepare) and `python -m olmo3eqx.data.prepare` (main returns the
+    metadata; a command returns its exit code)."""
     main(argv)
     return exits.OK
 

@@ -5,6 +5,7 @@ the host loop is olmo3eqx.generate; this module is the command.
     olmo3eqx-generate --ckpt runs/tiny "def fib(n):"                       # streams the completion
     olmo3eqx-generate --ckpt runs/tiny --temperature 0.8 --top-p 0.95 --seed 1 "import os"
     olmo3eqx-generate --ckpt ckpt/olmo3-7b --file prompts.jsonl --out completions.jsonl
+    olmo3eqx-generate --ckpt runs/sft --chat --system "Be brief." "What is 12+7?"  # the chat template, one turn
 
 `--ckpt` takes what olmo3eqx-eval takes (a run, one of its steps, convert.py's output, an HF Olmo3 directory); the
 tokenizer is `--tokenizer`, else an HF directory's tokenizer.json, else the run's eval.tokenizer; a converted
@@ -62,6 +63,14 @@ class Args:
     """Stop a completion at the first of these strings (not included); \\n and \\t stand for a newline and a tab."""
     batch_size: int = 16
     """Prompts generated together (--file)."""
+    chat: bool = False
+    """Each prompt is a user message: the chat template (--chat-template, else the tokenizer's own) renders it with
+    the assistant's prompt, and generation stops at the template's end of turn (EOS, or <|im_end|>)."""
+    system: str | None = None
+    """With --chat: a system message before each user message."""
+    chat_template: str | None = None
+    """With --chat: a built-in template (olmo, olmo_thinker, bytes), a .jinja file or a tokenizer_config.json; unset:
+    chat_template.jinja or tokenizer_config.json beside the tokenizer.json, the bytes template for 'bytes'."""
     dtype: str | None = None
     """Weights and compute in this dtype (float32, bfloat16, float16); unset: the checkpoint's compute dtype (float32
     for an HF directory)."""
@@ -116,11 +125,14 @@ def run(args: Args) -> int:
     import jax
 
     from olmo3eqx.checkpoint import load_any
+    from olmo3eqx.data.chat import ChatTokenizer
     from olmo3eqx.config import MeshConfig
     from olmo3eqx.sharding import make_mesh
     from olmo3eqx.tasks import Tokenizer
 
     out = storage.check(args.out, "--out", write=True) if args.out else None  # refused first
+    if (args.system is not None or args.chat_template is not None) and not args.chat:
+        raise GenerationError("--system and --chat-template apply to chat prompts; add --chat.")
     prompts = list(args.prompts)
     if args.file:
         prompts += read_prompt_file(args.file)
@@ -137,10 +149,16 @@ def run(args: Args) -> int:
     if tokenizer.vocab_size > cfg.vocab_size and speaks:
         print(f"warning: the tokenizer {tokenizer.spec} has {tokenizer.vocab_size} ids, the model {cfg.vocab_size}; an "
               f"id beyond the model's stops generation with an error.", file=sys.stderr)
-    ids = [x.tolist() for x in tokenizer.encode(prompts)]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
+    if args.chat:
+        chat = ChatTokenizer(tokenizer.spec, args.chat_template)
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        ids = [chat.encode(system + [{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+        stop += chat.end_of_turn
+    else:
+        ids = [x.tolist() for x in tokenizer.encode(prompts)]
     if len(prompts) == 1 and not args.file and out is None:
-        if speaks:
+        if speaks and not args.chat:  # a chat reply is printed alone, without the template around the message
             sys.stdout.write(prompts[0])
             sys.stdout.flush()
         t0 = time.perf_counter()
