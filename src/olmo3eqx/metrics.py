@@ -237,7 +237,7 @@ class TensorBoardEvents:
         write_all(self._file, header + struct.pack("I", masked_crc32c(header)) + data +
                   struct.pack("I", masked_crc32c(data)))
 
-    def scalar(self, tag: str, value: float, step: int) -> None:
+    def scalar(self, tag: str, value: float | int, step: int) -> None:
         from tensorboardX.summary import scalar
 
         self._write(self.event(wall_time=time.time(), step=step, summary=scalar(tag, value)))
