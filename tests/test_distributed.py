@@ -474,7 +474,7 @@ import numpy as np
 from olmo3eqx import distributed, exits
 from olmo3eqx.config import DistConfig, MeshConfig
 from olmo3eqx.errors import ConfigError
-from olmo3eqx.sharding import batch_sharding, granule_ids, granules_of, make_mesh
+from olmo3eqx.sharding import batch_sharding, granule_ids, granules_of, make_mesh, node_mesh
 
 @exits.command
 def main():
@@ -488,6 +488,7 @@ def main():
     mesh = make_mesh(MeshConfig(data=2))
     print("mesh", dict(mesh.shape), granules_of(mesh).ravel().tolist(),
           [d.process_index for d in mesh.devices.flat])
+    print("tools' mesh", dict(node_mesh().shape))
     # This process's block of rows of a global batch of 8 (what the data pipeline gives process p) lands on the
     # rows of the global array where the other processes' blocks do not.
     p = jax.process_index()
@@ -527,11 +528,12 @@ def test_two_processes_on_two_nodes_agree_on_the_mesh():
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
         outs.append([line for line in out.splitlines() if not line.startswith("[Gloo]")])
-    assert outs[0][:4] == outs[1][:4]  # the same node names, granules, refusal and mesh
-    nodes, granules, refused, mesh = outs[0][:4]
+    assert outs[0][:5] == outs[1][:5]  # the same node names, granules, refusal and meshes
+    nodes, granules, refused, mesh, tools = outs[0][:5]
     assert nodes == "nodes node-a node-b" and granules == "granules 0 0 1 1"
     assert refused.startswith("refused mesh.fsdp=4 would span 2 nodes of 2 devices") and "--mesh.data 2" in refused
     assert mesh == "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} [0, 0, 1, 1] [0, 0, 1, 1]"
+    assert tools == "tools' mesh {'data': 2, 'fsdp': 2, 'tensor': 1}"  # eval and generate: HSDP too
     for i, name in enumerate(["node-a", "node-b"]):
-        assert outs[i][4:] == ["rows True", "sum 28", f"process {i} of 2: 2 local / 4 global devices (cpu); "
+        assert outs[i][5:] == ["rows True", "sum 28", f"process {i} of 2: 2 local / 4 global devices (cpu); "
                                f"explicit coordinator address; node {name} of 2"]

@@ -14,7 +14,7 @@ import pytest
 
 from olmo3eqx import aot
 from olmo3eqx.config import ConfigError, MeshConfig
-from olmo3eqx.sharding import AXES, granule_ids, granules_of, make_mesh
+from olmo3eqx.sharding import AXES, granule_ids, granules_of, make_mesh, node_mesh
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu]')")
@@ -57,6 +57,7 @@ def test_two_tpu_slices(two_slices, capsys):
     mesh = make_mesh(MeshConfig(data=2), devices)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert_hybrid(mesh, granules_of(mesh))
+    assert node_mesh(devices).devices.tolist() == mesh.devices.tolist()  # the tools' mesh: the same HSDP
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), devices)
     assert_hybrid(mesh, granules_of(mesh))
     mesh = make_mesh(MeshConfig(data=4, fsdp=2), devices)  # two data replicas in each slice
@@ -77,7 +78,7 @@ def test_two_tpu_slices(two_slices, capsys):
     assert err.count("\n") == 1 and err.startswith("warning: mesh.fsdp=8 would span 2 slices"), err
     one = aot.topology_devices("v5p:2x2x1")  # one slice: one granule, the mesh as before
     assert set(granule_ids(one)) == {0}
-    assert make_mesh(MeshConfig(), one).devices.shape == (1, 4, 1)
+    assert make_mesh(MeshConfig(), one).devices.shape == (1, 4, 1) and node_mesh(one).devices.shape == (1, 4, 1)
 
 
 def test_two_simulated_nodes(capsys):

@@ -127,6 +127,13 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(np.asarray(ordered).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def node_mesh(devices=None) -> Mesh:
+    """Every device, fsdp over the devices of each node or slice and data across them: what the evaluation and
+    generation tools shard a model over (one node or slice: make_mesh(MeshConfig()))."""
+    devices = list(jax.devices() if devices is None else devices)
+    return make_mesh(MeshConfig(data=int(granule_ids(devices).max()) + 1), devices)
+
+
 def _names(path) -> list[str]:
     out = []
     for k in path:
