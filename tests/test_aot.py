@@ -145,7 +145,8 @@ def test_dry_run_on_this_host(capsys):
 def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     """`--target h100x8`: a float32 model's packed documents get flash (cuDNN has no float32 kernel; bf16 would take
     cuDNN's packed layout), the 8 simulated devices stand for the node, memory is judged against an H100's; h200x4
-    takes the first 4; more GPUs than devices is one sentence."""
+    takes the first 4; more GPUs than devices is one sentence; 2xh100x4 plans two nodes of 4 (a mesh crossing
+    them refused)."""
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # train.py asks for simulated devices there: restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, ""))
     flags = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "256", "--data.packing"]
@@ -160,6 +161,14 @@ def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     assert "4 x NVIDIA H200 (140.40 GiB each)" in out and "HBM 140.40 GiB" in out
     assert main([*flags, "--target", "h100x16"]) == 2
     assert "plans on 16 simulated devices but JAX has 8" in capsys.readouterr().err
+    # Two nodes of 4: fsdp over all 8 would cross the network (refused); HSDP, data across the nodes, is planned.
+    assert main([*flags, "--target", "2xh100x4"]) == 2
+    assert "mesh.fsdp=8 would span 2 nodes of 4 devices" in capsys.readouterr().err
+    assert main([*flags, "--target", "2xh100x4", "--mesh.data", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ("GPU node plan:         2 nodes of 4, data across nodes and fsdp/tensor within (mesh.node_devices=4): "
+            "8 x NVIDIA H100 80GB HBM3 (79.65 GiB each) on 8 simulated CPU devices") in out
+    assert "mesh:                  {'data': 2, 'fsdp': 4, 'tensor': 1}" in out and "  node_devices: 4\n" in out
 
 
 def number_after(text: str, label: str) -> float:

@@ -62,9 +62,12 @@ def env(monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """What jax.distributed.initialize receives (it is not run: this process's backend is the suite's)."""
+    """What jax.distributed.initialize receives (it is not run: this process's backend is the suite's, and no
+    coordination service is there for the node names)."""
     got = []
     monkeypatch.setattr("jax.distributed.initialize", lambda **kw: got.append(kw))
+    monkeypatch.setattr(distributed, "publish_nodes", lambda *a: ())
+    monkeypatch.setattr(distributed, "nodes", ())
     return got
 
 
@@ -460,3 +463,77 @@ def test_two_processes_under_a_simulated_slurm_step():
     assert [rc for rc, _, _ in results] == [2, 2], [err[-2000:] for _, _, err in results]
     assert "This process drives 2 devices but the run has 3 over 2 processes, not 4" in results[0][2]
     assert "This process drives 1 devices but the run has 3 over 2 processes, not 2" in results[1][2]
+
+
+# --- two processes naming two nodes -----------------------------------------------------------------------------
+
+NODES_SCRIPT = """
+import sys
+import jax
+import numpy as np
+from olmo3eqx import distributed, exits
+from olmo3eqx.config import DistConfig, MeshConfig
+from olmo3eqx.errors import ConfigError
+from olmo3eqx.sharding import batch_sharding, granule_ids, granules_of, make_mesh, node_mesh
+
+@exits.command
+def main():
+    distributed.initialize(DistConfig(initialization_timeout=60, heartbeat_timeout=10))
+    print("nodes", *distributed.nodes)
+    print("granules", *granule_ids(jax.devices()))
+    try:
+        make_mesh(MeshConfig())
+    except ConfigError as e:
+        print("refused", e)
+    mesh = make_mesh(MeshConfig(data=2))
+    print("mesh", dict(mesh.shape), granules_of(mesh).ravel().tolist(),
+          [d.process_index for d in mesh.devices.flat])
+    print("tools' mesh", dict(node_mesh().shape))
+    # This process's block of rows of a global batch of 8 (what the data pipeline gives process p) lands on the
+    # rows of the global array where the other processes' blocks do not.
+    p = jax.process_index()
+    rows = np.arange(8, dtype=np.int32)
+    batch = jax.make_array_from_process_local_data(batch_sharding(mesh, 1), rows[4 * p:4 * p + 4], (8,))
+    print("rows", all(np.array_equal(np.asarray(s.data), rows[s.index]) for s in batch.addressable_shards))
+    print("sum", int(jax.jit(lambda x: x.sum())(batch)))
+    print(distributed.describe())
+
+sys.exit(main())
+"""
+
+
+def two_nodes(names: list[str]) -> list[tuple[int, str, str]]:
+    """Two processes of 2 CPU devices each joined over loopback, process i publishing node name names[i]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i, name in enumerate(names):
+        e = clean_env()
+        e.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+                 OLMO3EQX_NODE_NAME=name)
+        procs.append(subprocess.Popen([sys.executable, "-c", NODES_SCRIPT], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    return [(p.returncode, *o) for p, o in zip(procs, outs)]
+
+
+def test_two_processes_on_two_nodes_agree_on_the_mesh():
+    """Each process learns both node names through the coordination service; both give every device the same
+    granule, refuse fsdp over both nodes in the same sentence, and build the mesh with data across the nodes, each
+    process's batch rows where the data pipeline put them."""
+    results = two_nodes(["node-a", "node-b"])
+    outs = []
+    for rc, out, err in results:
+        assert rc == 0, err[-3000:]
+        outs.append([line for line in out.splitlines() if not line.startswith("[Gloo]")])
+    assert outs[0][:5] == outs[1][:5]  # the same node names, granules, refusal and meshes
+    nodes, granules, refused, mesh, tools = outs[0][:5]
+    assert nodes == "nodes node-a node-b" and granules == "granules 0 0 1 1"
+    assert refused.startswith("refused mesh.fsdp=4 would span 2 nodes of 2 devices") and "--mesh.data 2" in refused
+    assert mesh == "mesh {'data': 2, 'fsdp': 2, 'tensor': 1} [0, 0, 1, 1] [0, 0, 1, 1]"
+    assert tools == "tools' mesh {'data': 2, 'fsdp': 2, 'tensor': 1}"  # eval and generate: HSDP too
+    for i, name in enumerate(["node-a", "node-b"]):
+        assert outs[i][5:] == ["rows True", "sum 28", f"process {i} of 2: 2 local / 4 global devices (cpu); "
+                               f"explicit coordinator address; node {name} of 2"]

@@ -36,8 +36,12 @@ def cmd(cfg, run_dir, *extra):
             "--steps", str(STEPS), "--log.indices", "--dist.heartbeat-timeout", "10", *extra]
 
 
-def launch(cfg, run_dir, processes: int, *extra):
-    """`processes` processes with 4 / processes devices each (4 devices in all)."""
+HYBRID = ("--mesh.data", "2")
+"""With each process on its own node (OLMO3EQX_NODE_NAME): the batch over data across the nodes x fsdp within."""
+
+
+def launch(cfg, run_dir, processes: int, *extra, nodes: bool = False):
+    """`processes` processes with 4 / processes devices each (4 devices in all); `nodes`: each names its own node."""
     if processes == 1:
         return [subprocess.Popen(cmd(cfg, run_dir, *extra), env=base_env(4), stderr=subprocess.PIPE, text=True)]
     port = free_port()
@@ -45,6 +49,8 @@ def launch(cfg, run_dir, processes: int, *extra):
     for i in range(processes):
         e = base_env(4 // processes)
         e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i))
+        if nodes:
+            e["OLMO3EQX_NODE_NAME"] = f"node-{i}"
         procs.append(subprocess.Popen(cmd(cfg, run_dir, *extra), env=e, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -93,9 +99,13 @@ def assert_close(run_dir, reference):
         assert got[s] == pytest.approx(want[s], rel=2e-5), f"step {s}: {got[s]} vs {want[s]}"
 
 
-def test_two_processes_match_one_process(cfg_path, single):
-    run_dir = cfg_path.parent / "two"
-    results = finish(launch(cfg_path, run_dir, 2))
+@pytest.mark.parametrize("nodes", [False, pytest.param(True, marks=pytest.mark.slow)],  # 34 s; the 2 -> 1 resume
+                         ids=["one-node", "two-nodes"])  # below keeps two nodes in the default suite
+def test_two_processes_match_one_process(cfg_path, single, nodes):
+    """Two processes, on one node (fsdp over all 4 devices) or on two (data across the nodes, fsdp within: the
+    hybrid mesh), train as one process does on the same global batches, each reading its own half."""
+    run_dir = cfg_path.parent / f"two-{nodes}"
+    results = finish(launch(cfg_path, run_dir, 2, *(HYBRID if nodes else ()), nodes=nodes))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     assert_close(run_dir, single)
     two, one = indices(run_dir), indices(single)
@@ -105,17 +115,23 @@ def test_two_processes_match_one_process(cfg_path, single):
               (run_dir / "e2e" / "indices" / "process_0.jsonl").read_text().splitlines()]
     assert all(len(h) == 4 for h in halves)
     assert "process 0 of 2" in results[0][1]
+    assert f"mesh {{'data': {2 if nodes else 1}, 'fsdp': {2 if nodes else 4}, 'tensor': 1}}" in results[0][1]
+    assert ("; node node-0 of 2" in results[0][1]) == nodes
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # 1 -> 2: -m slow
 def test_checkpoint_crosses_process_counts(cfg_path, single, before, after):
+    """Preempted and resumed on another process count: the same losses and global batches as one uninterrupted
+    process. The two processes name two nodes when they start (the hybrid mesh: data across nodes, fsdp within)."""
     run_dir = cfg_path.parent / f"cross-{before}-{after}"
-    procs = launch(cfg_path, run_dir, before)
+    procs = launch(cfg_path, run_dir, before, *(HYBRID if before == 2 else ()), nodes=before == 2)
     wait_for(lambda: logged_step(run_dir) >= 4, procs[0])
     for p in procs:
         p.send_signal(signal.SIGTERM)  # as a scheduler preempts every task of a job
     results = finish(procs)
     assert all(rc == 75 for rc, _ in results), [err[-2000:] for _, err in results]
+    if before == 2:
+        assert "; node node-0 of 2" in results[0][1] and "mesh {'data': 2, 'fsdp': 2, 'tensor': 1}" in results[0][1]
     saved = sorted(int(p.name) for p in (run_dir / "e2e" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and saved[-1] < STEPS
     results = finish(launch(cfg_path, run_dir, after))

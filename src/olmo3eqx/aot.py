@@ -40,29 +40,41 @@ OUT_OF_VMEM = re.compile(r"RESOURCE_EXHAUSTED: [^\n]*VmemOom.*?(Scoped allocatio
 
 
 GPU_NODES = {"h100": ("NVIDIA H100 80GB HBM3", 81559), "h200": ("NVIDIA H200", 143771)}
-"""GPU node targets `h100xN` / `h200xN`: the device kind and the memory per GPU in MiB as nvidia-smi reports it
-(H100 SXM 80 GB, H200 SXM 141 GB). JAX preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says more."""
-GPU_TARGET = re.compile(r"^(h100|h200)x([0-9]+)$")
+"""GPU node targets `h100xM` / `h200xM` (one node of M GPUs) and `Nxh100xM` (N such nodes): the device kind and the
+memory per GPU in MiB as nvidia-smi reports it (H100 SXM 80 GB, H200 SXM 141 GB). JAX preallocates 75% of it unless
+XLA_PYTHON_CLIENT_MEM_FRACTION says more."""
+GPU_TARGET = re.compile(r"^(?:([0-9]+)x)?(h100|h200)x([0-9]+)$")
 
 
 @dataclass(frozen=True)
 class GpuNode:
-    """A GPU node planned on simulated CPU devices: the program is partitioned for `count` devices and compiled by
-    the CPU compiler (its memory analysis stands in for XLA:GPU's), with attention resolved as on a GPU."""
+    """GPU nodes planned on simulated CPU devices: the program is partitioned for `count` devices (all nodes'
+    together, `nodes` blocks of count / nodes: mesh.node_devices) and compiled by the CPU compiler (its memory
+    analysis stands in for XLA:GPU's), with attention resolved as on a GPU."""
 
     name: str
     count: int
     device_kind: str
     hbm: float
+    nodes: int = 1
+
+    @property
+    def per_node(self) -> int:
+        return self.count // self.nodes
 
 
 def gpu_node(target: str | None) -> GpuNode | None:
-    """The GPU node `target` names (`h100x8`, `h200x8`), None for anything else (a TPU topology)."""
+    """The GPU nodes `target` names (`h100x8`, `h200x8`, `16xh100x8`: 16 nodes of 8), None for anything else (a TPU
+    topology)."""
     found = GPU_TARGET.match(target or "")
     if found is None:
         return None
-    kind, mib = GPU_NODES[found.group(1)]
-    return GpuNode(target, int(found.group(2)), kind, float(mib * 2**20))
+    nodes, per_node = int(found.group(1) or 1), int(found.group(3))
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(f"--target {target} names no GPU; write NODESx{found.group(2)}xGPUS with both counts "
+                          f"positive, e.g. 16x{found.group(2)}x8.")
+    kind, mib = GPU_NODES[found.group(2)]
+    return GpuNode(target, nodes * per_node, kind, float(mib * 2**20), nodes)
 
 
 def hbm_bytes(device_kind: str) -> float | None:
@@ -71,9 +83,9 @@ def hbm_bytes(device_kind: str) -> float | None:
     return next((gib * GIB for key, gib in HBM_GIB if key in kind), None)
 
 
-def topology_devices(name: str) -> list:
-    """The abstract devices of TPU topology `name`; ConfigError naming the fix when libtpu is missing or the name
-    is unknown."""
+def topology_devices(name: str, slices: int = 1) -> list:
+    """The abstract devices of TPU topology `name` (`slices` of them joined over the data-centre network: each
+    device's slice_index says which); ConfigError naming the fix when libtpu is missing or the name is unknown."""
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"--target {name} compiles with XLA:TPU, which needs libtpu: pip install -e \".[tpu]\" "
                           f"(the jax[tpu] that matches the installed jax).")
@@ -83,7 +95,8 @@ def topology_devices(name: str) -> list:
     added = [key for key in LIBTPU_QUIET if key not in os.environ]
     os.environ.update({key: LIBTPU_QUIET[key] for key in added})
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        more = {"num_slices": slices} if slices > 1 else {}  # one slice: the devices as libtpu gives them
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, **more).devices)
     except jax.errors.JaxRuntimeError as e:
         raise ConfigError(f"Unknown TPU topology {name!r} ({str(e).splitlines()[0]}); name one as libtpu does, "
                           f"e.g. v5p:2x2x1, v5p:8x8x2, tpu7x:4x4x4, v5e:16x16, v6e:8x8.") from None

@@ -369,6 +369,14 @@ class MeshConfig:
     """Tensor parallel: projections split by column/row."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
+    node_devices: int = 0
+    """Devices per node (GPU/CPU host) or TPU slice, the granules the mesh keeps `fsdp` and `tensor` within and runs
+    `data` across (olmo3eqx.sharding.make_mesh). 0: found from the devices (TPU: their slice_index; else the host
+    name each process published at startup); N > 0: consecutive blocks of N devices in process/id order (a plan on
+    simulated devices describing several nodes)."""
+    cross_nodes: bool = False
+    """Allow an fsdp or tensor group to span nodes or slices (its collectives then cross the network; a warning
+    says so) instead of refusing the mesh."""
     tpu_flags: str = "auto"
     """XLA:TPU flags the train step compiles with on TPUs (and for a --target topology): "auto" (the chip's recipe
     flags, olmo3eqx.jaxenv.TPU_XLA_FLAGS: SparseCore collective offload on Ironwood, continuation fusion on v5p),
@@ -389,7 +397,7 @@ class MeshConfig:
         if any(s == 0 or s < -1 for s in sizes):
             raise ConfigError(f"Mesh sizes must be positive or -1, got data={self.data} fsdp={self.fsdp} "
                               f"tensor={self.tensor}.")
-        check_signs(self, "mesh", positive=("max_per_device_batch",))
+        check_signs(self, "mesh", positive=("max_per_device_batch",), non_negative=("node_devices",))
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,17 @@ process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NOD
 tasks of its node; a process bound to its own GPUs (it sees fewer than SLURM_GPUS_ON_NODE, or, where nothing
 counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips
 (JAX's rule); JAX_LOCAL_DEVICE_IDS overrides. CPU collectives between processes use gloo (JAX's default).
+
+Which node: once joined, each process publishes its node's name (OLMO3EQX_NODE_NAME, else its host name) through
+JAX's coordination key-value store and reads every other's, so the mesh (olmo3eqx.sharding.granule_ids) can keep
+fsdp and tensor within a node of GPUs.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from olmo3eqx.config import DistConfig
@@ -51,6 +56,33 @@ class Launch:
 
 launched = Launch()
 """This process's Launch, once `initialize` ran (describe and check_devices read it)."""
+NODE_NAME = "OLMO3EQX_NODE_NAME"
+"""The node name this process publishes instead of its host name (two processes on one host stand for two nodes)."""
+NODE_KEY = "olmo3eqx/node/"
+nodes: tuple[str, ...] = ()
+"""The node name of every process, by process index, once `initialize` joined several; () for one process."""
+
+
+def node_of(process_index: int) -> str:
+    """The node the process runs on (every process on one node when this process runs alone)."""
+    return nodes[process_index] if nodes else "this node"
+
+
+def publish_nodes(process_id: int, num_processes: int, timeout_s: float) -> tuple[str, ...]:
+    """Publish this process's node name in JAX's key-value store and read every process's (waiting up to
+    `timeout_s` for each)."""
+    from jax._src.distributed import global_state
+
+    client = global_state.client
+    client.key_value_set(f"{NODE_KEY}{process_id}", os.environ.get(NODE_NAME) or socket.gethostname())
+    names = []
+    for p in range(num_processes):
+        try:
+            names.append(client.blocking_key_value_get(f"{NODE_KEY}{p}", int(timeout_s * 1000)))
+        except Exception as e:  # jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED and the like
+            raise RuntimeError(f"Process {p} did not publish its node name within {timeout_s:g} s "
+                               f"({str(e).splitlines()[0]}); every process of the run must start.") from None
+    return tuple(names)
 
 
 def ints(value: str | None) -> int | None:
@@ -182,7 +214,7 @@ def detect(cfg: DistConfig) -> Launch:
 def initialize(cfg: DistConfig) -> Launch:
     """Initialise multi-process JAX when the config or a launcher asks for it (`jax.distributed.initialize` with
     every argument resolved here, JAX's own detection switched off so it cannot narrow the devices again)."""
-    global launched
+    global launched, nodes
     import jax
 
     launch = detect(cfg)
@@ -194,6 +226,7 @@ def initialize(cfg: DistConfig) -> Launch:
                                    cluster_detection_method="deactivate",
                                    initialization_timeout=cfg.initialization_timeout,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout)
+        nodes = publish_nodes(launch.process_id, launch.num_processes, cfg.initialization_timeout)
     launched = launch
     return launch
 
@@ -224,8 +257,8 @@ def check_devices(launch: Launch | None = None) -> None:
 
 
 def describe() -> str:
-    """The startup line: processes, local and global devices (and, with several processes, the launcher and the
-    devices this process drives)."""
+    """The startup line: processes, local and global devices (and, with several processes, the launcher, the
+    devices this process drives and, on several nodes, its node)."""
     import jax
 
     line = (f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local / "
@@ -233,4 +266,6 @@ def describe() -> str:
     if jax.process_count() > 1:
         ids = launched.local_device_ids
         line += f"; {launched.launcher}" + (f", GPUs {','.join(map(str, ids))} of this host" if ids else "")
+        if len(set(nodes)) > 1:
+            line += f"; node {node_of(jax.process_index())} of {len(set(nodes))}"
     return line

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import equinox as eqx
@@ -48,16 +49,89 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    devices = jax.devices() if devices is None else devices
-    shape = mesh_shape(cfg, len(devices))
+def granule_ids(devices, node_devices: int = 0) -> np.ndarray:
+    """The granule (TPU slice, or node: a GPU/CPU host) of each of `devices`, as ints 0.. in the given order.
+    `node_devices` > 0: consecutive blocks of that many devices in (process, id) order. Else TPU devices by their
+    `slice_index` (absent or all equal on one slice: the hosts of a slice share its ICI), other devices by the node
+    each process published at startup (olmo3eqx.distributed.node_of; one process: one node)."""
+    devices = list(devices)
+    if node_devices > 0:
+        if len(devices) % node_devices:
+            raise ConfigError(f"mesh.node_devices={node_devices} does not divide the {len(devices)} devices; set it to "
+                              f"the devices of one node or slice.")
+        rank = {id(d): r for r, d in enumerate(sorted(devices, key=lambda d: (d.process_index, d.id)))}
+        keys = [rank[id(d)] // node_devices for d in devices]
+    elif devices and devices[0].platform == "tpu":
+        keys = [getattr(d, "slice_index", 0) for d in devices]
+    else:
+        from olmo3eqx.distributed import node_of
+
+        keys = [node_of(d.process_index) for d in devices]
+    first = {}  # granules numbered in the order they first appear in (process, id) order
+    for key, _ in sorted(zip(keys, devices), key=lambda kd: (kd[1].process_index, kd[1].id)):
+        first.setdefault(key, len(first))
+    return np.array([first[k] for k in keys], dtype=np.int32)
+
+
+def granules_of(mesh: Mesh, node_devices: int = 0) -> np.ndarray:
+    """granule_ids of the mesh's devices, shaped like mesh.devices."""
+    return granule_ids(mesh.devices.flat, node_devices).reshape(mesh.devices.shape)
+
+
+def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
+    """`devices` as an array of `shape`, laid out by JAX's topology-aware mesh_utils where it can, else in order."""
     try:
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_device_mesh(shape, devices=devices)
+        return mesh_utils.create_device_mesh(shape, devices=devices)
     except (ValueError, NotImplementedError, AssertionError):
-        grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return np.asarray(devices).reshape(shape)
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """The (data, fsdp, tensor) mesh. On several granules (TPU slices, nodes: granule_ids) `data` runs across them
+    and fsdp and tensor within, each granule's (data/G, fsdp, tensor) grid stacked granule-major along `data` (as
+    mesh_utils.create_hybrid_device_mesh with dcn_mesh_shape (G, 1, 1)); a mesh whose fsdp x tensor groups would
+    span granules is refused, or with mesh.cross_nodes built granule-major with a warning. One granule: JAX's
+    topology-aware grid of all devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    ids = granule_ids(devices, cfg.node_devices)
+    count = int(ids.max()) + 1
+    if count == 1:
+        return Mesh(device_grid(shape, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    sizes = np.bincount(ids)
+    what = "slices" if devices[0].platform == "tpu" and cfg.node_devices == 0 else "nodes"
+    if len(set(sizes.tolist())) > 1:
+        raise ConfigError(f"The {len(devices)} devices fall into {count} {what} of unequal sizes "
+                          f"({', '.join(map(str, sizes))} devices); run on equal {what} or set mesh.node_devices.")
+    per = int(sizes[0])
+    data, fsdp, tensor = shape
+    groups = [[d for d, i in zip(devices, ids) if i == g] for g in range(count)]
+    if per % (fsdp * tensor) == 0 and data % count == 0:
+        grid = np.concatenate([device_grid((data // count, fsdp, tensor), g) for g in groups], axis=0)
+        return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    axis = f"mesh.fsdp={fsdp}" if tensor == 1 else f"mesh.fsdp={fsdp} x tensor={tensor}"
+    span = -(-fsdp * tensor // per)
+    if fsdp * tensor > per:
+        where = f"would span {span} {what} of {per} devices"
+    else:
+        where = f"with mesh.data={data} would not fill the {count} {what} of {per} devices evenly"
+    if not cfg.cross_nodes:
+        raise ConfigError(f"{axis} {where} (every layer's all-gather and reduce-scatter over the network); run HSDP "
+                          f"as OLMo-core does with --mesh.data {count} (fsdp -1 then takes the {per} devices of a "
+                          f"{what[:-1]}), or allow it with --mesh.cross-nodes.")
+    print(f"warning: {axis} {where}: its all-gathers and reduce-scatters cross the network (mesh.cross_nodes).",
+          file=sys.stderr, flush=True)
+    ordered = [d for g in groups for d in g]
+    return Mesh(np.asarray(ordered).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def node_mesh(devices=None) -> Mesh:
+    """Every device, fsdp over the devices of each node or slice and data across them: what the evaluation and
+    generation tools shard a model over (one node or slice: make_mesh(MeshConfig()))."""
+    devices = list(jax.devices() if devices is None else devices)
+    return make_mesh(MeshConfig(data=int(granule_ids(devices).max()) + 1), devices)
 
 
 def _names(path) -> list[str]:

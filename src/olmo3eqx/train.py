@@ -32,8 +32,9 @@ Entry flags (before the others):
   --config PATH           YAML preset (default: configs/tiny.yaml)
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
-                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan a GPU node
-                          (h100x8, h200x8: simulated CPU devices, the CPU compiler's memory against the GPUs')
+                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan GPU nodes
+                          (h100x8, h200x8, 16xh100x8 for 16 nodes of 8: simulated CPU devices, the CPU compiler's
+                          memory against the GPUs')
   --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
                           after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
                           or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
@@ -123,6 +124,8 @@ def dry_run(cfg, target: str | None = None) -> None:
     """Plan without building anything on devices: sizes, FLOPs, mesh, batch split, and the compiled step's memory
     per device, FLOPs and compile time from an ahead-of-time compile over abstract arrays, for this host's devices
     or (`target`) for a TPU topology (olmo3eqx.aot)."""
+    import dataclasses
+
     import jax
     import yaml
 
@@ -131,10 +134,12 @@ def dry_run(cfg, target: str | None = None) -> None:
     from olmo3eqx.errors import ConfigError
     from olmo3eqx.sharding import build_layout
 
+    gpu = aot.gpu_node(target)
+    if gpu is not None and gpu.nodes > 1:  # the simulated devices fall into nodes: fsdp and tensor kept within one
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, node_devices=gpu.per_node))
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
     m, seq = cfg.model, cfg.data.seq_len
-    gpu = aot.gpu_node(target)
     devices = aot.topology_devices(target) if target and gpu is None else jax.devices()
     if gpu is not None:
         if len(devices) < gpu.count:
@@ -164,7 +169,9 @@ def dry_run(cfg, target: str | None = None) -> None:
     print(f"remat:                 {remat}" + (f" (model.remat_by_chip: {chip})" if chip else ""))
     print(f"attention:             {attention_backend(cfg, layout, gpu)}")
     if gpu is not None:
-        print(f"GPU node plan:         {gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
+        nodes = (f"{gpu.nodes} nodes of {gpu.per_node}, data across nodes and fsdp/tensor within "
+                 f"(mesh.node_devices={gpu.per_node}): " if gpu.nodes > 1 else "")
+        print(f"GPU node plan:         {nodes}{gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
               f"{gpu.count} simulated CPU devices: XLA:CPU's memory analysis of the same partitioned program stands in "
               f"for XLA:GPU's (an estimate: the two compilers fuse and schedule differently)")
     print("\n".join(aot.compile_step(cfg, layout, gpu).lines()))

@@ -105,12 +105,12 @@ def setup(args: Args) -> Setup:
     """Load the checkpoint `args.ckpt` names (the newest step of a run), resolve what to evaluate, build the
     evaluator (sets and tasks read and tokenized once)."""
     from olmo3eqx.checkpoint import load_any
-    from olmo3eqx.config import DataConfig, EvalConfig, MeshConfig
+    from olmo3eqx.config import DataConfig, EvalConfig
     from olmo3eqx.evaluator import build_evaluator
-    from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
+    from olmo3eqx.sharding import data_parallel_size, model_shardings, node_mesh
     from olmo3eqx.errors import TaskError
 
-    mesh = make_mesh(MeshConfig())
+    mesh = node_mesh()
     model, model_cfg, stored, hf_tokenizer, step, run_dir = load_any(args.ckpt, mesh, args.dtype)
     train_cfg = run_config(stored)
     base_eval = train_cfg.eval if train_cfg else EvalConfig()

@@ -126,8 +126,7 @@ def run(args: Args) -> int:
 
     from olmo3eqx.checkpoint import load_any
     from olmo3eqx.data.chat import ChatTokenizer
-    from olmo3eqx.config import MeshConfig
-    from olmo3eqx.sharding import make_mesh
+    from olmo3eqx.sharding import node_mesh
     from olmo3eqx.tasks import Tokenizer
 
     out = storage.check(args.out, "--out", write=True) if args.out else None  # refused first
@@ -142,7 +141,7 @@ def run(args: Args) -> int:
         sampler = dec.Sampler(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise GenerationError(str(e)) from None
-    mesh = make_mesh(MeshConfig())  # every device: parameters FSDP-sharded as in training, prompts over the data axes
+    mesh = node_mesh()  # every device: parameters FSDP-sharded within a node as in training, prompts over the data axes
     model, cfg, stored, hf_tokenizer, step, _ = load_any(args.ckpt, mesh, args.dtype)
     tokenizer = Tokenizer.load(resolve_tokenizer(args.tokenizer, hf_tokenizer, stored, args.ckpt))
     speaks = jax.process_index() == 0

@@ -44,13 +44,12 @@ class OLMo3EqxLM(LM):
                  batch_size: int | str | None = None, dtype: str | None = None, **_harness_kwargs):
         super().__init__()
         from olmo3eqx.checkpoint import load_any
-        from olmo3eqx.config import MeshConfig
         from olmo3eqx.evaluator import ShardedScorer
-        from olmo3eqx.sharding import data_parallel_size, make_mesh, model_shardings
+        from olmo3eqx.sharding import data_parallel_size, model_shardings, node_mesh
         from olmo3eqx.tasks import Tokenizer
         from olmo3eqx.tools.evaluate import DEFAULT_SEQ_LEN, run_config
 
-        mesh = make_mesh(MeshConfig())
+        mesh = node_mesh()
         model, cfg, stored, hf_tokenizer, _, _ = load_any(ckpt, mesh, dtype)
         run = run_config(stored)
         self.tokenizer = Tokenizer.load(tokenizer or (run.eval.tokenizer if run else hf_tokenizer or "bytes"))
