@@ -140,6 +140,72 @@ def test_tiny_step_reduces_every_gradient_in_float32_over_fsdp():
     assert json.loads(json.dumps(traffic.to_json()))["within_bytes_per_device"] == traffic.total(False)
 
 
+GPU_ASYNC = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%scatter (p: f32[64]) -> f32[16] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(f32[64]{0} %p), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true, to_apply=%add
+}
+
+%body (t: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
+  %t = (s32[], bf16[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[8,4]{1,0} get-tuple-element(%t), index=1
+  %f = f32[] constant(1)
+  %y = f32[16]{0} broadcast(%f), dimensions={}
+  %z = f32[64]{0} broadcast(%f), dimensions={}
+  %ag-start = ((bf16[2,4]{1,0}, bf16[2,4]{1,0}), (bf16[8,4]{1,0}, bf16[8,4]{1,0})) all-gather-start(%x, %x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %ag-done = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) all-gather-done(%ag-start)
+  %ar-start = f32[16]{0} all-reduce-start(%y), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %ar-done = f32[16]{0} all-reduce-done(%ar-start)
+  %cp-start = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%y), channel_id=3, source_target_pairs={{0,4},{4,0}}
+  %cp-done = f32[16]{0} collective-permute-done(%cp-start)
+  %rs-start = ((f32[64]{0}), f32[16]{0}) async-start(%z), calls=%scatter
+  %rs-done = f32[16]{0} async-done(%rs-start), calls=%scatter
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], bf16[8,4]{1,0}) tuple(%next, %x)
+}
+
+%cond (c: (s32[], bf16[8,4])) -> pred[] {
+  %c = (s32[], bf16[8,4]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[8,4]) -> bf16[8,4] {
+  %x0 = bf16[8,4]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,4]{1,0}) tuple(%zero, %x0)
+  %loop = (s32[], bf16[8,4]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[8,4]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+"""XLA:GPU's async forms as XLA's own tests write them (all-gather-start / -done with combined operands,
+all-reduce-start, collective-permute-start with its context, a reduce-scatter wrapped in async-start), in a loop of
+6 whose trip count only the condition states, on a 2 x 4 mesh."""
+
+
+def test_gpu_async_pairs_count_once_with_their_results():
+    mesh = permuted_mesh()
+    found = account(GPU_ASYNC, mesh).collectives
+    got = {c.kind: c for c in found}
+    assert len(found) == 4  # each start counted, each done not
+    assert {k: (c.count, c.exact, c.group_size, c.axes) for k, c in got.items()} == {
+        "all-gather": (6, "exact", 4, ("fsdp",)), "all-reduce": (6, "exact", 2, ("data",)),
+        "collective-permute": (6, "exact", 2, ("data",)), "reduce-scatter": (6, "exact", 4, ("fsdp",))}
+    assert got["all-gather"].raw == {"bf16": 2 * 8 * 4 * 2}  # the two gathered outputs, not the start's operands
+    assert got["all-reduce"].raw == {"f32": 64} and got["collective-permute"].raw == {"f32": 64}
+    assert got["reduce-scatter"].raw == {"f32": 256} and got["reduce-scatter"].bytes_per_device == 3 / 4 * 256
+
+
 def test_replica_group_forms_it_cannot_read_are_one_sentence():
     text = "ENTRY %main () -> f32[] {\n  ROOT %a = f32[4]{0} all-reduce(%x), replica_groups=weird[0], to_apply=%r\n}\n"
     with pytest.raises(HloParseError, match="cannot read the replica groups"):
@@ -148,7 +214,8 @@ def test_replica_group_forms_it_cannot_read_are_one_sentence():
         account("%x = f32[] constant(0)", permuted_mesh())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install -e '.[tpu]')")
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
 @pytest.mark.tpu
 @pytest.mark.tpu_small
 def test_tpu_async_collective_fusions_are_counted_once_per_run():
