@@ -61,6 +61,24 @@ def test_one_axis_psum_and_gather_name_that_axis_its_group_and_bytes():
     assert (reduce.axes, reduce.group_size, reduce.raw) == (("data",), 2, {"f32": 16})
 
 
+def test_partitioner_groups_over_reordered_devices_and_sub_axes():
+    """XLA's mesh-axes replica groups with a device order (device_ids=([2,2,2]T(0,2,1))) and a sub-axis ('axis_1':(2)2,
+    the minor half of a 4-wide axis): sums over one and over two axes of a 2 x 2 x 2 mesh whose rows are split over
+    (d, t), and a transpose whose all-to-all runs over t alone."""
+    devices = np.asarray(jax.devices()[:8])[[0, 2, 4, 6, 1, 3, 5, 7]].reshape(2, 2, 2)
+    mesh = Mesh(devices, ("d", "f", "t"))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(("d", "t"), "f")))
+
+    def axes(fn, out):
+        compiled = jax.jit(fn, out_shardings=jax.sharding.NamedSharding(mesh, out)).lower(x).compile()
+        return [(c.kind, c.axes, c.group_size) for c in account(compiled.as_text(), mesh).collectives]
+
+    assert axes(lambda v: v.sum(1), P(("d", "t"))) == [("all-reduce", ("f",), 2)]
+    assert axes(lambda v: v.sum(0), P("f")) == [("all-reduce", ("d", "t"), 4)]
+    assert axes(lambda v: v.reshape(2, 4, 16).sum(1), P("d", "f")) == [("all-reduce", ("t",), 2)]
+    assert ("all-to-all", ("t",), 2) in axes(lambda v: v.T, P(("d", "t"), "f"))
+
+
 def loops(x):
     def layer(c, _):
         c = jax.lax.psum(c, "fsdp") * 0.5
