@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = cfg.data.global_batch * seq / report.devices
                 saved[f"{topology}/{heads}/{remat}"] = {
                     "provenance": common.provenance(), **dataclasses.asdict(report), "fits": report.fits,
+                    "collectives": report.collectives.to_json() if report.collectives is not None else None,
                     "wall_s": time.perf_counter() - start,
                     "flops_py_per_device_step": flops.train_flops_per_token(cfg.model, seq) * tokens,
                     "flops_py_attention_per_device_step": 3 * flops.attention_flops_per_token(cfg.model, seq) * tokens,

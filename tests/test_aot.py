@@ -132,6 +132,7 @@ def test_dry_run_on_this_host(capsys):
     assert f"devices:               {jax.device_count()} x cpu" in out and "attention:             blocked" in out
     assert "compiled step memory per device:" in out and "HBM" not in out  # no HBM figure for a CPU
     assert "compiled FLOPs:" in out and "compile time:" in out
+    assert "collectives per step:" in out and re.search(r"all-gather +f32 +fsdp +within node/slice", out)
     assert "remat:                 dots\n" in out
     small = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "64"]
     assert main([*small, "--model.remat-by-chip", "v5p=full", "cpu=save_qkv_proj"]) == 0
@@ -189,7 +190,7 @@ def test_tiny_dry_run_for_a_tpu_topology(capsys):
     model = number_after(out, "TFLOP per device-step:")
     attention = number_after(out, "windowed, of which attention")
     assert number_after(out, "compiled FLOPs:") == pytest.approx(model - attention, rel=0.05)
-    assert "compile time:" in out
+    assert "compile time:" in out and "collectives per step:" in out
     predicted = re.search(r"predicted step time: +([\d.]+) s per step \(XLA:TPU's cost model, not a measurement", out)
     assert predicted and "MFU" in out and "splash kernels" in out and "step as compiled" in out
 

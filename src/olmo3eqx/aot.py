@@ -4,8 +4,8 @@
 `jax.experimental.topologies`, backed by libtpu: the `tpu` extra, `pip install -e ".[tpu]"`), lowers the train step
 over sharded ShapeDtypeStructs and compiles it with XLA:TPU on this host, as MaxText's train_compile does. Nothing
 is allocated or run. The report holds XLA's memory per device against the chip's HBM, XLA's count of the compiled
-FLOPs per device and step (StepReport.flops says what it leaves out) and the compile time; when XLA:TPU refuses the
-program for lack of HBM, its own message. `compile_step(cfg, layout)` does the same for any Layout (the dry run on this host's
+FLOPs per device and step (StepReport.flops says what it leaves out), every collective of the step with its bytes
+(olmo3eqx.collectives) and the compile time; when XLA:TPU refuses the program for lack of HBM, its own message. `compile_step(cfg, layout)` does the same for any Layout (the dry run on this host's
 devices). Config in, report out: the dry run (`train.py --dry-run --target T`) and bench/bench_tpu_memory.py use it.
 
 Topology names are libtpu's: `v5p:8x8x2` (chips in x, y, z), `tpu7x:4x4x4` (Ironwood: each chip shows as two
@@ -20,6 +20,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from olmo3eqx import collectives
 from olmo3eqx.config import TrainConfig
 from olmo3eqx.errors import ConfigError
 
@@ -126,6 +127,9 @@ class StepReport:
     """XLA:TPU's predicted step time, every loop counted (olmo3eqx.costmodel.Prediction); TPU targets only."""
     prediction_error: str | None = None
     """Why a TPU step has no prediction (the cost model gave no usable figure)."""
+    collectives: object | None = None
+    """Every collective of one step: kind, dtype, count, bytes per device, mesh axes, within or across a node or
+    slice (olmo3eqx.collectives.Traffic; `.to_json()` is the form bench/ stores)."""
 
     @property
     def fits(self) -> bool | None:
@@ -161,6 +165,8 @@ class StepReport:
             out.extend(self.prediction.lines())
         elif self.prediction_error is not None:
             out.append(f"predicted step time:   none ({self.prediction_error})")
+        if self.collectives is not None:
+            out.extend(self.collectives.lines())
         out.append(f"compile time:          {self.compile_s:.1f} s")
         return out
 
@@ -210,8 +216,17 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
             prediction = predict(cfg, layout, compiled)
         except CostModelError as e:
             error = str(e)
+    traffic = collectives.account(compiled.as_text(), layout.mesh, _granules(layout.mesh))
     return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
-                      prediction_error=error, **common)
+                      prediction_error=error, collectives=traffic, **common)
+
+
+def _granules(mesh):
+    """Each device's slice (its `slice_index`; 0 where a device has none), shaped like mesh.devices: the granules
+    the collectives' within/across split is over. The lead replaces this by sharding.granules_of (nodes too)."""
+    import numpy as np
+
+    return np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(mesh.devices)
 
 
 def compile_for(cfg: TrainConfig, topology: str) -> StepReport:
