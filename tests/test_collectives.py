@@ -259,3 +259,33 @@ def test_tpu_async_collective_fusions_are_counted_once_per_run():
     assert {d for c in gathers for d in c.raw} == {"bf16"}
     accum = 2
     assert sum(c.count * c.raw["bf16"] for c in gathers) == 2 * (2 * accum * stacked + accum * ends)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_two_tpu_slices_count_what_crosses_the_data_centre_network():
+    """Over two v5p:2x2x1 slices, meshed data=2 (the slices) x fsdp=4 as make_mesh lays them out, XLA:TPU compiles each
+    slice's program: a sum over the data axis crosses slices and goes out as Megascale sends (dcn-send, across, on
+    the data axis, the [8, 256] float32 block each device holds, a whole number of the TPU's (8, 128) tiles, so no
+    padding), a sum over fsdp stays on the slice's ICI."""
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.sharding import granules_of, make_mesh
+
+    devices = aot.topology_devices("v5p:2x2x1", slices=2)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4), devices)
+    granules = granules_of(mesh)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def traffic(axis):
+        fn = jax.shard_map(lambda b: jax.lax.psum(b, axis), mesh=mesh, in_specs=P(("data", "fsdp")),
+                           out_specs=P(("data", "fsdp")), check_vma=False)
+        return account(jax.jit(fn).lower(x).compile().as_text(), mesh, granules)
+
+    across = traffic("data")
+    sends = [c for c in across.collectives if c.kind == "dcn-send"]
+    assert sends and all(c.across and c.axes == ("data",) for c in sends), across.lines()
+    assert sum(sum(c.raw.values()) * c.count for c in sends) == 8 * 256 * 4, across.lines()
+    assert across.total(True) > 0
+    within = traffic("fsdp")
+    assert within.total(True) == 0 and not [c for c in within.collectives if c.kind == "dcn-send"], within.lines()
+    assert {c.axes for c in within.collectives} == {("fsdp",)}, within.lines()

@@ -44,6 +44,8 @@ GPU_NODES = {"h100": ("NVIDIA H100 80GB HBM3", 81559), "h200": ("NVIDIA H200", 1
 """GPU node targets `h100xM` / `h200xM` (one node of M GPUs) and `Nxh100xM` (N such nodes): the device kind and the
 memory per GPU in MiB as nvidia-smi reports it (H100 SXM 80 GB, H200 SXM 141 GB). JAX preallocates 75% of it unless
 XLA_PYTHON_CLIENT_MEM_FRACTION says more."""
+MULTISLICE = re.compile(r"^([0-9]+)x([a-z][a-z0-9]*:.+)$")
+"""A TPU target of several slices: `2xv5p:8x8x1` is two v5p:8x8x1 slices joined over the data-centre network."""
 GPU_TARGET = re.compile(r"^(?:([0-9]+)x)?(h100|h200)x([0-9]+)$")
 
 
@@ -86,7 +88,11 @@ def hbm_bytes(device_kind: str) -> float | None:
 
 def topology_devices(name: str, slices: int = 1) -> list:
     """The abstract devices of TPU topology `name` (`slices` of them joined over the data-centre network: each
-    device's slice_index says which); ConfigError naming the fix when libtpu is missing or the name is unknown."""
+    device's slice_index says which; `2xv5p:8x8x1` in the name says the same as slices=2); ConfigError naming the fix
+    when libtpu is missing or the name is unknown."""
+    found = MULTISLICE.match(name)
+    if found is not None:
+        slices, name = slices * int(found.group(1)), found.group(2)
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"--target {name} compiles with XLA:TPU, which needs libtpu: pip install -e \".[tpu]\" "
                           f"(the jax[tpu] that matches the installed jax).")
@@ -216,17 +222,11 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
             prediction = predict(cfg, layout, compiled)
         except CostModelError as e:
             error = str(e)
-    traffic = collectives.account(compiled.as_text(), layout.mesh, _granules(layout.mesh))
+    from olmo3eqx.sharding import granules_of
+
+    traffic = collectives.account(compiled.as_text(), layout.mesh, granules_of(layout.mesh, cfg.mesh.node_devices))
     return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
                       prediction_error=error, collectives=traffic, **common)
-
-
-def _granules(mesh):
-    """Each device's slice (its `slice_index`; 0 where a device has none), shaped like mesh.devices: the granules
-    the collectives' within/across split is over. The lead replaces this by sharding.granules_of (nodes too)."""
-    import numpy as np
-
-    return np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[int])(mesh.devices)
 
 
 def compile_for(cfg: TrainConfig, topology: str) -> StepReport:

@@ -25,6 +25,12 @@ spans more than one granule (a node or a TPU slice: `granules`, shaped like mesh
   with n the group size: all-gather and all-to-all (n-1)/n of the raw bytes, reduce-scatter (n-1)/n, all-reduce
   2(n-1)/n, a collective-permute the whole buffer. Other algorithms (trees, NVLS, in-network reductions) move other
   amounts; the ring's is the usual bandwidth-bound figure.
+- Several TPU slices. XLA:TPU compiles a multislice step as each slice's program: its collectives' groups name the
+  slice's own devices (partition ids 0..devices per slice - 1, read as the first slice's positions in the mesh), and
+  what crosses the data-centre network is host transfers to the Megascale runtime (`send` with
+  `_xla_megascale_transfer_type`, the collective it serves: ALL_GATHER, ALL_REDUCE, ...). Each such send is counted
+  as kind `dcn-send` (DCN_KIND), across granules, its bytes the buffer the device hands over (factor 1), its axes
+  the mesh axes along which the granules change (the data axis on a mesh whose data axis runs across slices).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "dcn-send")
+DCN_KIND = "dcn-send"
+"""A multislice program's host transfer to the Megascale runtime over the data-centre network (module doc)."""
 MIB = 2**20
 BYTES_CONVENTION = ("what each device sends, ring algorithm over a group of n: all-gather (n-1)/n x output, "
                     "reduce-scatter (n-1)/n x input, all-reduce 2(n-1)/n, all-to-all (n-1)/n, collective-permute 1 x "
@@ -53,6 +61,7 @@ _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_c
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _ASYNC_FLAGS = re.compile(r'"async_collective_fusion_config":\{"flag_start":"(-?\d+)"')
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _LIST_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,\s]*\},?\s*)*\})")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -72,7 +81,8 @@ class Collective:
     """One collective instruction of the step."""
 
     kind: str
-    """all-gather, reduce-scatter, all-reduce, all-to-all or collective-permute (async forms under their kind)."""
+    """all-gather, reduce-scatter, all-reduce, all-to-all or collective-permute (async forms under their kind), or
+    dcn-send (a multislice program's transfer over the data-centre network)."""
     name: str
     computation: str
     raw: dict[str, float]
@@ -92,6 +102,8 @@ class Collective:
     def factor(self) -> float:
         """Bytes each device sends per raw byte (the ring algorithm, BYTES_CONVENTION)."""
         n = self.group_size
+        if self.kind == DCN_KIND:
+            return 1.0
         if self.kind == "collective-permute":
             return 1.0 if self.axes else 0.0
         if n <= 1:
@@ -499,8 +511,15 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
     roots = {name: next((i for i in insts if i.root), None) for name, insts in computations.items()}
     found: list[Collective] = []
 
+    granule_axes = tuple(a for a, k in zip(axis_names, range(len(shape)))
+                         if (np.diff(granule.reshape(shape), axis=k) != 0).any())
+
     def visit(name: str, count: int, exact: str):
         for inst in computations.get(name, ()):
+            if _dcn_send(inst):
+                raw = _bytes_by_dtype(_shape_tree(inst.shape)[0])
+                found.append(Collective(DCN_KIND, inst.name, name, raw, 2, granule_axes, True, count, exact))
+                continue
             kind = _OPCODE.match(inst.op)
             if kind is not None:
                 if kind.group(2) != "-done" and not _tpu_async_copy(inst, roots[name]):
@@ -528,13 +547,18 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
 def _has_collectives(computations: dict[str, list[_Inst]]) -> set[str]:
     """Names of the computations that hold a collective or call one that does."""
     calls = {name: {c for inst in insts for _, c in _called(inst)} for name, insts in computations.items()}
-    work = {name for name, insts in computations.items() if any(_OPCODE.match(i.op) for i in insts)}
+    work = {name for name, insts in computations.items() if any(_OPCODE.match(i.op) or _dcn_send(i) for i in insts)}
     changed = True
     while changed:
         grown = {name for name, called in calls.items() if called & work}
         changed = not grown <= work
         work |= grown
     return work
+
+
+def _dcn_send(inst: _Inst) -> bool:
+    """A multislice program's send to the Megascale runtime (module doc)."""
+    return inst.op == "send" and _MEGASCALE.search(inst.attrs) is not None
 
 
 def _tpu_async_copy(inst: _Inst, root: _Inst | None) -> bool:

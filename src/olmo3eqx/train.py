@@ -32,9 +32,9 @@ Entry flags (before the others):
   --config PATH           YAML preset (default: configs/tiny.yaml)
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
-                          ...) with XLA:TPU on this host (needs the `tpu` extra: libtpu), or plan GPU nodes
-                          (h100x8, h200x8, 16xh100x8 for 16 nodes of 8: simulated CPU devices, the CPU compiler's
-                          memory against the GPUs')
+                          ..., 2xv5p:8x8x1 for two slices) with XLA:TPU on this host (needs the `tpu` extra: libtpu),
+                          or plan GPU nodes (h100x8, h200x8, 16xh100x8 for 16 nodes of 8: simulated CPU devices,
+                          the CPU compiler's memory against the GPUs')
   --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
                           after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
                           or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
