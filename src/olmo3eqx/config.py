@@ -374,8 +374,15 @@ class MeshConfig:
     flags, olmo3eqx.jaxenv.TPU_XLA_FLAGS: SparseCore collective offload on Ironwood, continuation fusion on v5p),
     "none", or your own as "--xla_name=value ...". Not applied when LIBTPU_INIT_ARGS is set; a flag libtpu does not
     know is refused before the run starts."""
+    gather_dtype: Literal["compute", "xla"] = "compute"
+    """The dtype the weights cross the mesh in: "compute" (OLMo-core's FSDP2 MixedPrecisionPolicy: each weight is cast
+    to model.compute_dtype while still sharded and all-gathered over fsdp in it, and its gradient cast to float32
+    before it is reduced over the batch axes, written out in the program: olmo3eqx.precision) or "xla" (the casts
+    where the compiler places them: float32 gathers on every target compiled so far, kept to measure against).
+    Master weights and Adam moments are float32 either way; with float32 compute or no fsdp axis the two agree."""
 
     def __post_init__(self):
+        check_choices(self, "mesh")
         if self.tpu_flags not in ("auto", "none"):
             from olmo3eqx.jaxenv import parse_tpu_flags
 
