@@ -375,11 +375,12 @@ class MeshConfig:
     "none", or your own as "--xla_name=value ...". Not applied when LIBTPU_INIT_ARGS is set; a flag libtpu does not
     know is refused before the run starts."""
     gather_dtype: Literal["compute", "xla"] = "compute"
-    """The dtype the weights cross the mesh in: "compute" (OLMo-core's FSDP2 MixedPrecisionPolicy: each weight is cast
-    to model.compute_dtype while still sharded and all-gathered over fsdp in it, and its gradient cast to float32
-    before it is reduced over the batch axes, written out in the program: olmo3eqx.precision) or "xla" (the casts
-    where the compiler places them: float32 gathers on every target compiled so far, kept to measure against).
-    Master weights and Adam moments are float32 either way; with float32 compute or no fsdp axis the two agree."""
+    """The dtypes weights and gradients cross the mesh in: "compute" (as OLMo-core's FSDP2 MixedPrecisionPolicy: each
+    weight cast to model.compute_dtype while still sharded and all-gathered over fsdp in it, each weight gradient
+    accumulated and reduced over the batch axes in float32; olmo3eqx.precision) or "xla" (the casts where the
+    compiler places them, kept to measure against: with bfloat16 compute XLA reduces the projections' gradients in
+    bfloat16). Master weights and Adam moments are float32 either way; with float32 compute or no fsdp axis the two
+    are the same program."""
 
     def __post_init__(self):
         check_choices(self, "mesh")
