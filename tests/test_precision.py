@@ -4,8 +4,8 @@ read from the partitioned program, and the numbers it trains with against the co
 The collectives are read from the program as XLA's SPMD partitioner leaves it, before XLA:CPU's own passes: on CPU,
 all-reduce-promotion and float-normalization-bf16 then widen every bfloat16 collective to float32 (the CPU runtime runs
 none), so the compiled text of a CPU program says float32 whatever the program asked for. XLA:TPU keeps them: the
-same tiny step compiled for v5p:2x2x1 has the same 29 bfloat16 gradient all-reduces with "xla" and none with
-"compute" (docs/design.md).
+default run's step (configs/tiny.yaml, bfloat16 compute) compiled for v5p:2x2x1 has 29 bfloat16 gradient all-reduces
+with "xla", as its CPU program has as partitioned, and none with "compute" (docs/design.md).
 """
 
 import dataclasses

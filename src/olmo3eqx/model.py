@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from olmo3eqx import precision
 from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
-from olmo3eqx import precision
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -2,11 +2,12 @@
 
 OLMo-core's FSDP2 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` all-gathers each parameter in
 bfloat16 and reduces its gradient in float32, over float32 master weights. Left to the compiler (mesh.gather_dtype
-"xla"), the tiny model's step with bfloat16 compute, compiled for XLA:TPU (v5p:2x2x1, fsdp 4), gathers its weights in
+"xla"), the default run's step (configs/tiny.yaml) with bfloat16 compute, compiled for XLA:TPU (v5p:2x2x1, fsdp 4), gathers its weights in
 bfloat16 but all-reduces 29 of its weight gradients in bfloat16: XLA's SPMD partitioner sums a matmul's partial
 products right after the matmul, in the matmul's output dtype, before the cast to float32 that the program writes
-after it. (Compiled for CPU devices every collective reads float32: XLA:CPU's float-normalization-bf16 pass widens
-each bfloat16 collective it cannot run, after partitioning; the partitioned program is the same.)
+after it. (Compiled for CPU devices every collective reads float32: after partitioning, XLA:CPU's
+all-reduce-promotion and float-normalization-bf16 passes widen the bfloat16 collectives its runtime cannot run; as
+partitioned, the CPU program has the same 29 bfloat16 all-reduces.)
 
 Here the policy is written into the program, weight by weight where the model uses it (model.for_compute), with the
 parameter's own PartitionSpec (sharding.partition_spec) on the abstract mesh in context:
@@ -17,7 +18,8 @@ parameter's own PartitionSpec (sharding.partition_spec) on the abstract mesh in 
   gradient; the weight's gradient comes from a second path whose backward computes it with a float32 result (the
   matmul's partial products accumulate into float32; the embedding's rows are added in float32) and constrains it to
   the parameter's spec, so the partial sums are reduced (all-reduce or reduce-scatter) in float32 and never rounded
-  to bfloat16 on the way.
+  to bfloat16 on the way. The forward matmul stays an ordinary one, so the remat policies that keep matmul outputs
+  ("dots") still see it; a custom VJP around it would hide it from them.
 - `gather_for_compute` (norm weights, LM head): a custom VJP, `gathered` forward, the cotangent cast to float32 before
   its constraint back to the parameter's spec. Their gradients already reduce in float32 (the norm's product and the
   unembedding's logits are float32).
