@@ -382,8 +382,16 @@ class MeshConfig:
     flags, olmo3eqx.jaxenv.TPU_XLA_FLAGS: SparseCore collective offload on Ironwood, continuation fusion on v5p),
     "none", or your own as "--xla_name=value ...". Not applied when LIBTPU_INIT_ARGS is set; a flag libtpu does not
     know is refused before the run starts."""
+    gather_dtype: Literal["compute", "xla"] = "compute"
+    """The dtypes weights and gradients cross the mesh in: "compute" (as OLMo-core's FSDP2 MixedPrecisionPolicy: each
+    weight cast to model.compute_dtype while still sharded and all-gathered over fsdp in it, each weight gradient
+    accumulated and reduced over the batch axes in float32; olmo3eqx.precision) or "xla" (the casts where the
+    compiler places them, kept to measure against: with bfloat16 compute XLA reduces the projections' gradients in
+    bfloat16). Master weights and Adam moments are float32 either way; with float32 compute or no fsdp axis the two
+    are the same program."""
 
     def __post_init__(self):
+        check_choices(self, "mesh")
         if self.tpu_flags not in ("auto", "none"):
             from olmo3eqx.jaxenv import parse_tpu_flags
 

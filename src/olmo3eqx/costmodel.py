@@ -192,22 +192,24 @@ def _compile(cfg, fn, mesh, *args, out_shardings=None):
     """`fn` compiled over `mesh` with the XLA:TPU flags the train step compiles with (mesh.tpu_flags)."""
     import jax
 
+    from olmo3eqx.precision import traced_gathering
     from olmo3eqx.sharding import on_mesh
     from olmo3eqx.step import tpu_compiler_options
 
     options = tpu_compiler_options(cfg, mesh) or None
-    return jax.jit(on_mesh(mesh, fn), out_shardings=out_shardings, compiler_options=options).lower(*args).compile()
+    fn = on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype, fn))  # traced as the step is
+    return jax.jit(fn, out_shardings=out_shardings, compiler_options=options).lower(*args).compile()
 
 
 def group_seconds(cfg, layout) -> float:
     """One scan step of the layer group (the layer-scan body) compiled alone: forward, recomputation and backward,
-    parameters in float32 sharded as the model's (cast to the compute dtype inside, as the step does), the
+    parameters in float32 sharded as the model's (cast, or gathered, in the compute dtype inside, as the step does), the
     activations [micro-batch, seq, hidden] split over the batch axes."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
 
-    from olmo3eqx.model import DTYPE, cast_floating, document_positions, layer_group, rope_tables, scan_groups
+    from olmo3eqx.model import DTYPE, document_positions, for_compute, layer_group, rope_tables, scan_groups
     from olmo3eqx.sharding import batch_sharding, is_leaf_like
 
     m, mesh = cfg.model, layout.mesh
@@ -227,7 +229,7 @@ def group_seconds(cfg, layout) -> float:
             positions = document_positions(segment_ids)
             tables = {kind: table.at(positions) for kind, table in tables.items()}
         run = layer_group(m, kinds, tables, segment_ids)
-        _, vjp = jax.vjp(lambda p, h: run(h, cast_floating(eqx.combine(p, static), dtype)), params, x)
+        _, vjp = jax.vjp(lambda p, h: run(h, for_compute(eqx.combine(p, static), dtype, path=("blocks",))), params, x)
         return vjp(cotangent)
 
     grads = (jax.tree.map(lambda a: a.sharding, group), act.sharding)

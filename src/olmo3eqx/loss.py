@@ -113,7 +113,7 @@ def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b 
     """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1];
     `segment_ids` (packed batches) keep attention within each document."""
     hidden = model.hidden(tokens, segment_ids=segment_ids)
-    ce, z = token_losses(hidden, model.lm_head.weight, next_token_labels(tokens), z_loss)
+    ce, z = token_losses(hidden, model.head_weight(hidden.dtype), next_token_labels(tokens), z_loss)
     return jnp.sum(ce * weights), jnp.sum(z * weights)
 
 
@@ -125,7 +125,8 @@ def token_logprobs(model: OLMo3, tokens: Int[Array, "b s"],
         picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return picked - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1) == y
 
-    return map_logits(logprob_and_greedy, model.hidden(tokens), model.lm_head.weight, targets, remat=False)
+    hidden = model.hidden(tokens)
+    return map_logits(logprob_and_greedy, hidden, model.head_weight(hidden.dtype), targets, remat=False)
 
 
 def candidate_logprobs(model: OLMo3, tokens: Int[Array, "b s"], positions: Int[Array, " b"],
@@ -133,5 +134,5 @@ def candidate_logprobs(model: OLMo3, tokens: Int[Array, "b s"], positions: Int[A
     """log p(candidates[b, j] | tokens[b, :positions[b]+1]) in float32: one position per row, unembedded alone."""
     hidden = model.hidden(tokens)
     h = jnp.take_along_axis(hidden, positions[:, None, None], axis=1)[:, 0]
-    logits = jnp.einsum("bd,dv->bv", h, model.lm_head.weight.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bd,dv->bv", h, model.head_weight(h.dtype), preferred_element_type=jnp.float32)
     return jnp.take_along_axis(logits, candidates, axis=1) - jax.nn.logsumexp(logits, axis=-1, keepdims=True)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from olmo3eqx import precision
 from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
 
@@ -76,6 +77,9 @@ def trunc_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -
 
 class Linear(eqx.Module):
     weight: Float[Array, "din dout"]
+    gather_spec: jax.sharding.PartitionSpec | None = eqx.field(static=True, default=None)
+    """None: `weight` is used as it is (already in the compute dtype). A spec: `weight` is a float32 master sharded as
+    the spec, gathered in the activations' dtype when called (precision.dense; set by for_compute)."""
 
     @staticmethod
     def init(din: int, dout: int, cfg: ModelConfig, *, key: PRNGKeyArray) -> Linear:
@@ -83,7 +87,9 @@ class Linear(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch din"]) -> Float[Array, "*batch dout"]:
         # One 2-D matmul whatever the leading axes (see the module doc).
-        return (x.reshape(-1, x.shape[-1]) @ self.weight).reshape(*x.shape[:-1], self.weight.shape[1])
+        x2 = x.reshape(-1, x.shape[-1])
+        y = x2 @ self.weight if self.gather_spec is None else precision.dense(x2, self.weight, self.gather_spec)
+        return y.reshape(*x.shape[:-1], self.weight.shape[1])
 
 
 class RMSNorm(eqx.Module):
@@ -307,6 +313,33 @@ def cast_floating(tree, dtype):
         lambda a: a.astype(dtype) if eqx.is_array(a) and jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
+def for_compute(tree, dtype, *, path: tuple[str, ...] = (), layer: bool = False):
+    """`tree` (the model, or its part at `path`) ready to compute in `dtype`. Where this trace gathers weights
+    explicitly (precision.explicit: mesh.gather_dtype "compute" under a mesh with fsdp > 1), each float32 weight is
+    gathered in `dtype` where it is used (olmo3eqx.precision): a Linear is marked to gather its weight when called,
+    the embedding is left for `precision.take_rows`, the layer-stacked blocks for the layer scan (`layer`: `tree` is
+    one layer's slice of them), and any other floating leaf (norm weights) is gathered now. Elsewhere: cast_floating.
+    Leaves already in `dtype` stay as they are (float32 compute adds no op)."""
+    if not precision.explicit():
+        return cast_floating(tree, dtype)
+
+    def one(leaf_path, node):
+        keys = (getattr(k, "name", None) or getattr(k, "key", None) for k in leaf_path)
+        names = (*path, *(k for k in keys if isinstance(k, str)))
+        stacked = "blocks" in names and not layer
+        if isinstance(node, Linear):
+            if stacked or node.weight.dtype == dtype:
+                return node
+            return Linear(node.weight, precision.param_spec((*names, "weight"), node.weight.shape, layer=layer))
+        if not eqx.is_array(node) or not jnp.issubdtype(node.dtype, jnp.floating) or node.dtype == dtype:
+            return node
+        if stacked or names == ("embed",):
+            return node
+        return precision.gather_for_compute(node, dtype, precision.param_spec(names, node.shape, layer=layer))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda n: isinstance(n, Linear))
+
+
 class OLMo3(eqx.Module):
     """The whole model. `blocks` leaves carry a leading layer axis of size num_hidden_layers."""
 
@@ -334,8 +367,12 @@ class OLMo3(eqx.Module):
         """Final-normed hidden states in the compute dtype (the loss unembeds them in chunks). `segment_ids`: each
         token's document in a packed instance (see the module doc); None: one document per row."""
         cfg = self.cfg
-        model = cast_floating(self, DTYPE[cfg.compute_dtype])
-        x = model.embed[tokens]
+        # In the compute dtype; under a mesh with mesh.gather_dtype "compute" each weight is gathered in it where it
+        # is used, the stacked blocks a layer at a time inside the scan (layer_group): olmo3eqx.precision.
+        dtype = DTYPE[cfg.compute_dtype]
+        model = for_compute(self, dtype)
+        x = model.embed[tokens] if model.embed.dtype == dtype else \
+            precision.take_rows(model.embed, tokens, dtype, precision.param_spec(("embed",), model.embed.shape))
         types = cfg.resolved_layer_types
         period, groups = scan_groups(cfg)
         # Outside the scan: each kind's table is computed once, not once per layer.
@@ -356,8 +393,14 @@ class OLMo3(eqx.Module):
                  segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq vocab"]:
         """Logits in float32."""
         h = self.hidden(tokens, segment_ids)
-        w = self.lm_head.weight.astype(h.dtype)
-        return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+        return jnp.matmul(h, self.head_weight(h.dtype), preferred_element_type=jnp.float32)
+
+    def head_weight(self, dtype) -> Float[Array, "hidden vocab"]:
+        """The LM head's weight in `dtype` (the hidden states'), gathered as `hidden` gathers the rest (for_compute)."""
+        w = self.lm_head.weight
+        if not precision.explicit() or w.dtype == dtype:
+            return w.astype(dtype)
+        return precision.gather_for_compute(w, dtype, precision.param_spec(("lm_head", "weight"), w.shape))
 
 
 def scan_groups(cfg: ModelConfig) -> tuple[int, int]:
@@ -376,8 +419,12 @@ def layer_group(cfg: ModelConfig, kinds: tuple[str, ...], tables: dict, segment_
     the period's blocks stacked on a leading axis. The body of the layer scan, and what olmo3eqx.costmodel compiles
     alone to count it once per trip."""
     block_fns: list[Callable] = []
+    dtype = DTYPE[cfg.compute_dtype]
     for kind in kinds:
         def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
+            # The layer's weights gathered in the compute dtype (a no-op when OLMo3.hidden has cast them): inside the
+            # remat, so a checkpointed layer gathers them again for its backward pass instead of keeping them.
+            blk = for_compute(blk, dtype, path=("blocks",), layer=True)
             return blk(h, cfg, s, table, seg)
         if cfg.remat != "none":
             f = jax.checkpoint(f, policy=remat_policy(cfg.remat))

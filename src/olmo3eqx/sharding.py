@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from olmo3eqx import optim
 from olmo3eqx.config import MeshConfig, TrainConfig
@@ -143,7 +143,7 @@ def _names(path) -> list[str]:
     return out
 
 
-def partition_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
+def partition_spec(path, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> P:
     """The rule. Layer-stacked leaves (under `blocks`) keep their leading layer axis unsharded; the tensor axis
     splits the output of column-parallel and the input of row-parallel projections; fsdp then takes the largest
     remaining dimension it divides. Scalars and anything fsdp divides nowhere are replicated."""

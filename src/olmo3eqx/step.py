@@ -22,6 +22,7 @@ from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.model import DTYPE, cast_floating
+from olmo3eqx.precision import traced_gathering
 from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding, on_mesh
 from olmo3eqx.state import TrainState
 
@@ -106,7 +107,7 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
 
     bsh = batch_sharding(mesh, 2)
     batch_shardings = (bsh, batch_sharding(mesh, 1)) + ((bsh, bsh) if layout.packed else ())
-    return jax.jit(on_mesh(mesh, train_step), in_shardings=(shardings, *batch_shardings),
+    return jax.jit(on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype, train_step)), in_shardings=(shardings, *batch_shardings),
                    out_shardings=(shardings, None), donate_argnums=0,
                    compiler_options=tpu_compiler_options(cfg, mesh) or None)
 

@@ -1,0 +1,157 @@
+"""Weights cross the mesh in the compute dtype, gradients in float32 (mesh.gather_dtype "compute").
+
+OLMo-core's FSDP2 `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` all-gathers each parameter in
+bfloat16 and reduces its gradient in float32, over float32 master weights. Left to the compiler (mesh.gather_dtype
+"xla"), the default run's step (configs/tiny.yaml) with bfloat16 compute, compiled for XLA:TPU (v5p:2x2x1, fsdp 4), gathers its weights in
+bfloat16 but all-reduces 29 of its weight gradients in bfloat16: XLA's SPMD partitioner sums a matmul's partial
+products right after the matmul, in the matmul's output dtype, before the cast to float32 that the program writes
+after it. (Compiled for CPU devices every collective reads float32: after partitioning, XLA:CPU's
+all-reduce-promotion and float-normalization-bf16 passes widen the bfloat16 collectives its runtime cannot run; as
+partitioned, the CPU program has the same 29 bfloat16 all-reduces.)
+
+Here the policy is written into the program, weight by weight where the model uses it (model.for_compute), with the
+parameter's own PartitionSpec (sharding.partition_spec) on the abstract mesh in context:
+- `gathered`: the float32 shard cast to the compute dtype while still sharded (a sharding constraint to the
+  parameter's spec on both sides of the cast), then constrained to the gathered spec (the spec without "fsdp"; a
+  tensor split stays), so the all-gather carries the compute dtype.
+- `dense` (every projection) and `take_rows` (the embedding): the forward pass uses the gathered weight, outside the
+  gradient; the weight's gradient comes from a second path whose backward computes it with a float32 result (the
+  matmul's partial products accumulate into float32; the embedding's rows are added in float32) and constrains it to
+  the parameter's spec, so the partial sums are reduced (all-reduce or reduce-scatter) in float32 and never rounded
+  to bfloat16 on the way. The forward matmul stays an ordinary one, so the remat policies that keep matmul outputs
+  ("dots") still see it; a custom VJP around it would hide it from them.
+- `gather_for_compute` (norm weights, LM head): a custom VJP, `gathered` forward, the cotangent cast to float32 before
+  its constraint back to the parameter's spec. Their gradients already reduce in float32 (the norm's product and the
+  unembedding's logits are float32).
+The layer-stacked block weights are gathered one layer at a time inside the layer scan, inside the layer's remat, so a
+checkpointed layer gathers its weights again for the backward pass, as FSDP's reshard-after-forward does.
+
+Outside a mesh with an fsdp axis > 1 (generation, evaluation on one device, convert's parity check), with float32
+compute, or with mesh.gather_dtype "xla", the model casts as it always has. The step chooses with `traced_gathering`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+_GATHER: contextvars.ContextVar[str] = contextvars.ContextVar("gather_dtype", default="compute")
+
+
+@contextlib.contextmanager
+def gathering(gather_dtype: str):
+    """Trace with mesh.gather_dtype `gather_dtype` ("compute" unless told)."""
+    token = _GATHER.set(gather_dtype)
+    try:
+        yield
+    finally:
+        _GATHER.reset(token)
+
+
+def traced_gathering(gather_dtype: str, fn):
+    """`fn` traced under `gathering(gather_dtype)` (the train step, as sharding.on_mesh wraps it in its mesh)."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with gathering(gather_dtype):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def explicit() -> bool:
+    """Whether this trace gathers weights explicitly: mesh.gather_dtype "compute" under an abstract mesh
+    (sharding.on_mesh) with an fsdp axis > 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if _GATHER.get() != "compute" or mesh.empty or not {"fsdp", "tensor"} <= set(mesh.axis_names):
+        return False
+    return mesh.shape["fsdp"] > 1
+
+
+def param_spec(names: tuple[str, ...], shape: tuple[int, ...], *, layer: bool = False) -> P:
+    """The PartitionSpec of the parameter at `names` (e.g. ("blocks", "attn", "q_proj", "weight")) on the abstract mesh
+    in context (sharding.partition_spec, the one rule); `layer`: of one layer's slice of a stacked block leaf, i.e.
+    the stacked leaf's spec without its leading entry."""
+    from olmo3eqx.sharding import partition_spec  # sharding -> state -> model -> here
+
+    path = tuple(jax.tree_util.GetAttrKey(n) for n in names)
+    mesh = jax.sharding.get_abstract_mesh()
+    if layer:
+        return P(*partition_spec(path, (1, *shape), mesh)[1:])
+    return partition_spec(path, shape, mesh)
+
+
+def without_fsdp(spec: P) -> P:
+    """`spec` with the fsdp axis dropped from every entry (the weight gathered over fsdp, other splits kept)."""
+
+    def drop(entry):
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != "fsdp")
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if entry == "fsdp" else entry
+
+    return P(*(drop(e) for e in spec))
+
+
+def gathered(w: Array, dtype, spec: P) -> Array:
+    """`w` (sharded as `spec`) cast to `dtype` while sharded, then all-gathered over fsdp in `dtype`."""
+    constrain = jax.lax.with_sharding_constraint
+    return constrain(constrain(constrain(w, spec).astype(dtype), spec), without_fsdp(spec))
+
+
+def gather_for_compute(w: Array, dtype, spec: P) -> Array:
+    """`gathered`, whose cotangent is cast back to w's dtype before it is reduced to `spec`."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return gathered(x, dtype, spec)
+
+    def backward(_, cotangent):
+        return (jax.lax.with_sharding_constraint(cotangent.astype(w.dtype), spec),)
+
+    gather.defvjp(lambda x: (gather(x), None), backward)
+    return gather(w)
+
+
+def weight_gradient_path(forward_shape: tuple[int, ...], dtype, inputs: Array, w: Array, spec: P, gradient):
+    """Zeros of `forward_shape` whose only effect is w's gradient: gradient(inputs, cotangent) with w's dtype,
+    constrained to `spec` (so its partial sums are reduced in that dtype). Added to an output computed from the
+    gathered weight outside the gradient."""
+
+    @jax.custom_vjp
+    def path(x, weight):
+        return jnp.zeros(forward_shape, dtype)
+
+    def backward(x, cotangent):
+        return None, jax.lax.with_sharding_constraint(gradient(x, cotangent).astype(w.dtype), spec)
+
+    path.defvjp(lambda x, weight: (path(x, weight), x), backward)
+    return path(inputs, w)
+
+
+def dense(x: Float[Array, "n din"], w: Float[Array, "din dout"], spec: P) -> Float[Array, "n dout"]:
+    """x @ w in x's dtype, w (a float32 master weight sharded as `spec`) gathered in x's dtype; w's gradient x^T g
+    accumulated and reduced in float32."""
+    y = x @ jax.lax.stop_gradient(gathered(w, x.dtype, spec))
+
+    def gradient(inputs, cotangent):
+        return jax.lax.dot_general(inputs, cotangent, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    return y + weight_gradient_path(y.shape, y.dtype, x, w, spec, gradient)
+
+
+def take_rows(table: Float[Array, "vocab d"], rows: Int[Array, "*batch"], dtype, spec: P) -> Float[Array, "*batch d"]:
+    """table[rows] in `dtype`, the table (a float32 master sharded as `spec`) gathered in `dtype`; its gradient (the
+    cotangent's rows added into a zero table) in float32."""
+    y = jax.lax.stop_gradient(gathered(table, dtype, spec))[rows]
+
+    def gradient(ids, cotangent):
+        return jnp.zeros(table.shape, jnp.float32).at[ids].add(cotangent.astype(jnp.float32))
+
+    return y + weight_gradient_path(y.shape, y.dtype, rows, table, spec, gradient)
