@@ -135,26 +135,34 @@ def test_granules_split_within_and_across():
 
 
 def test_tiny_step_reduces_every_gradient_in_float32_over_fsdp():
-    """The tiny config on 8 devices, fsdp=8, no accumulation: XLA:CPU reduces each gradient leaf with an all-reduce
-    (combined into tuples) over fsdp, so the float32 all-reduced bytes are 4 x the parameters, counted from the
-    model's shapes, plus the loss's few scalars; per device 2 x 7/8 of that. The dry run prints the table."""
+    """The tiny config on 8 devices, fsdp=8, no accumulation: each gradient leaf is reduced in float32 over fsdp,
+    so the float32 reduced bytes are 4 x the parameters, counted from the model's shapes, plus the loss's few
+    scalars. The leaves fsdp shards (their PartitionSpec names it) are reduce-scattered, each device keeping its
+    part (as partitioned: an all-reduce each device slices, which XLA:GPU's reduce-scatter creator turns into one),
+    per device 7/8 of their bytes; the replicated rest (norm weights) all-reduced, 2 x 7/8. The dry run prints it."""
     cfg = load_yaml(REPO / "configs" / "tiny.yaml")
     layout = build_layout(cfg)
     assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1} and layout.plan.accum_steps == 1
     report = aot.compile_step(cfg, layout)
     traffic = report.collectives
-    params = sum(leaf.size for leaf in jax.tree.leaves(layout.abstract.model))  # ShapeDtypeStructs
+    leaves = jax.tree.leaves(layout.abstract.model)  # ShapeDtypeStructs
+    specs = jax.tree.leaves(layout.shardings.model)
+    params = sum(leaf.size for leaf in leaves)
+    sharded = sum(leaf.size for leaf, s in zip(leaves, specs) if "fsdp" in jax.tree.leaves(tuple(s.spec)))
     reductions = [c for c in traffic.collectives if c.kind in ("all-reduce", "reduce-scatter") and "f32" in c.raw]
     raw = sum(c.count * c.raw["f32"] for c in reductions)
     assert 4 * params <= raw <= 4 * params + 1024, (raw, 4 * params)
-    assert sum(c.count * c.factor * c.raw["f32"] for c in reductions) == pytest.approx(2 * 7 / 8 * raw)
+    scattered = sum(c.count * c.raw["f32"] for c in reductions if c.kind == "reduce-scatter")
+    assert scattered == 4 * sharded, (scattered, 4 * sharded)
+    sent = sum(c.count * c.factor * c.raw["f32"] for c in reductions)
+    assert sent == pytest.approx(7 / 8 * scattered + 2 * 7 / 8 * (raw - scattered))
     assert {c.axes for c in traffic.collectives} == {("fsdp",)} and traffic.total(True) == 0
     assert all(c.exact == "exact" for c in traffic.collectives)
     printed = report.lines()
     assert any(line.startswith("collectives per step:") for line in printed)
-    row = next(r for r in traffic.rows if r.kind == "all-reduce" and r.dtype == "f32")
-    assert re.search(rf"all-reduce +f32 +fsdp +within node/slice +{row.count} +{row.bytes_per_device / 2**20:,.2f}\n",
-                     "\n".join(printed))
+    row = next(r for r in traffic.rows if r.kind == "reduce-scatter" and r.dtype == "f32")
+    assert re.search(rf"reduce-scatter +f32 +fsdp +within node/slice +{row.count} +"
+                     rf"{row.bytes_per_device / 2**20:,.2f}\n", "\n".join(printed))
     assert json.loads(json.dumps(traffic.to_json()))["within_bytes_per_device"] == traffic.total(False)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -195,9 +196,12 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
         common.update(device_kind=f"{gpu.device_kind} (simulated: CPU compiler)", hbm=gpu.hbm)
     step = make_train_step(cfg, layout)
     start = time.perf_counter()
+    dump = tempfile.TemporaryDirectory() if devices[0].platform == "cpu" else contextlib.nullcontext()
     try:
-        with planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext():
-            compiled = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
+        with planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext(), dump as where:
+            lowered = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len))
+            compiled = lowered.compile(CPU_DUMP | {"xla_dump_to": where} if where else None)
+            program = partitioned_program(where) if where else None
     except jax.errors.JaxRuntimeError as e:
         vmem, found = OUT_OF_VMEM.search(str(e)), OUT_OF_HBM.search(str(e))
         if vmem is None and found is None:
@@ -224,9 +228,24 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
             error = str(e)
     from olmo3eqx.sharding import granules_of
 
-    traffic = collectives.account(compiled.as_text(), layout.mesh, granules_of(layout.mesh, cfg.mesh.node_devices))
+    traffic = collectives.account(program or compiled.as_text(), layout.mesh, granules_of(layout.mesh, cfg.mesh.node_devices))
     return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
                       prediction_error=error, collectives=traffic, **common)
+
+
+CPU_DUMP = {"xla_dump_hlo_pass_re": "all-reduce-promotion"}
+"""XLA:CPU's runtime cannot run bfloat16 collectives, so after SPMD partitioning its all-reduce-promotion and
+float-normalization passes widen them to float32: `compiled.as_text()` on CPU devices reads float32 for every
+collective. The collectives of a CPU compile (the dry run on simulated devices, a GPU node planned here) are
+therefore read from the program as partitioned, dumped just before that pass: the dtypes XLA:GPU and XLA:TPU keep."""
+
+
+def partitioned_program(where: str) -> str | None:
+    """The train step's program as dumped before all-reduce-promotion into `where` (CPU_DUMP), None if not found."""
+    from pathlib import Path
+
+    found = sorted(Path(where).glob("*jit_train_step*before_all-reduce-promotion.txt"))
+    return found[-1].read_text() if found else None
 
 
 def compile_for(cfg: TrainConfig, topology: str) -> StepReport:

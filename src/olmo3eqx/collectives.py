@@ -13,7 +13,9 @@ spans more than one granule (a node or a TPU slice: `granules`, shaped like mesh
   counted as if taken (an upper bound, marked). An async pair (`all-gather-start` / `-done`, `async-start` /
   `-done`) counts once, and so does XLA:TPU's async collective fusion (a start, continuations and a done fusion, each
   holding a copy of the collective: the start's is counted). XLA:TPU's reduce-scatter, a fusion that slices this
-  device's part out of an all-reduce (`all-reduce-scatter`), counts as the reduce-scatter it runs as.
+  device's part out of an all-reduce (`all-reduce-scatter`), counts as the reduce-scatter it runs as, and so does an
+  all-reduce whose every user slices a part out of it (the program as partitioned, read on CPU devices before
+  XLA:CPU's own passes: XLA:GPU's reduce-scatter creator makes it a reduce-scatter).
 - Groups. Replica groups come as lists (`{{0,1},{2,3}}`), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) or mesh-axes
   form (`mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}`, sub-axes `'axis_0':(2)2`); with
   use_global_device_ids the ids are partition ids, the positions in `mesh.devices.flat` (tests/test_collectives.py
@@ -508,6 +510,11 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
         raise ValueError(f"granules has {granule.size} entries for a mesh of {partitions} devices; shape it like "
                          f"mesh.devices.")
     has_work = _has_collectives(computations)
+    users: dict[str, list[_Inst]] = defaultdict(list)
+    for insts in computations.values():
+        for inst in insts:
+            for operand in _operands(inst):
+                users[operand].append(inst)
     roots = {name: next((i for i in insts if i.root), None) for name, insts in computations.items()}
     found: list[Collective] = []
 
@@ -524,7 +531,8 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
             if kind is not None:
                 if kind.group(2) != "-done" and not _tpu_async_copy(inst, roots[name]):
                     found.append(_collective(inst, kind.group(1), kind.group(2) == "-start", name, count, exact,
-                                             _scattered(inst, roots[name]), shape, axis_names, granule))
+                                             _scattered(inst, roots[name]) or _sliced(inst, users), shape,
+                                             axis_names, granule))
                 continue
             if inst.op.endswith("-done") or inst.op == "async-update":
                 continue
@@ -578,6 +586,18 @@ def _scattered(inst: _Inst, root: _Inst | None) -> bool:
     an all-reduce; it runs as a reduce-scatter."""
     return (inst.op == "all-reduce" and root is not None and root.op == "dynamic-slice"
             and _operands(root)[:1] == [inst.name])
+
+
+def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
+    """An all-reduce each device then slices its own part out of (every user a dynamic-slice, through the
+    get-tuple-elements of a combined one): the program as partitioned, before XLA:GPU's reduce-scatter creator (and
+    XLA:TPU's all-reduce-scatter fusion) turns it into the reduce-scatter it runs as."""
+    if inst.op != "all-reduce":
+        return False
+    ends = []
+    for user in users.get(inst.name, ()):
+        ends += users.get(user.name, []) if user.op == "get-tuple-element" else [user]
+    return bool(ends) and all(u.op == "dynamic-slice" for u in ends)
 
 
 def _collective(inst: _Inst, kind: str, start: bool, computation: str, count: int, exact: str, scattered: bool,
