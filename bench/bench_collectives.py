@@ -112,7 +112,17 @@ def compile_cell(base, target: str, variant: str, tensor: int = 1) -> dict:
             "batch": {"per_device": layout.plan.per_device_batch, "accum": layout.plan.accum_steps},
             "memory": report.memory, "hbm": report.hbm, "xla_flops": report.flops, "compile_s": report.compile_s,
             "wall_s": time.perf_counter() - start, "collectives": None if traffic is None else traffic.to_json(),
+            "prediction": prediction(report.prediction), "prediction_error": report.prediction_error,
             "tokens_per_device": layout.tokens_per_device(cfg.data.seq_len)}
+
+
+def prediction(p) -> dict | None:
+    """XLA:TPU's predicted step (olmo3eqx.costmodel.Prediction) as bench_tpu_plan.py stores it."""
+    if p is None:
+        return None
+    return {"seconds": p.seconds, "mfu": p.mfu, "model_flops": p.model_flops, "maxtext_flops": p.maxtext_flops,
+            "pieces": [dataclasses.asdict(x) for x in p.pieces], "attention": p.attention, "add_back": p.add_back,
+            "compile_s": p.compile_s}
 
 
 _BASE_NAME: dict[int, str] = {}

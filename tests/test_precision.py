@@ -186,3 +186,29 @@ def test_gather_dtype_is_checked():
     object.__setattr__(cfg, "gather_dtype", "bf16")  # past the suite's own type check of the constructor
     with pytest.raises(ConfigError, match=r"mesh.gather_dtype must be one of \('compute', 'xla'\), got 'bf16'"):
         cfg.__post_init__()
+
+
+def test_a_chunked_loss_reduces_the_lm_head_gradient_once(monkeypatch):
+    """With the loss unembedded a few positions at a time (a small LOGITS_BUDGET: 16 chunks here, as the 7B's 64),
+    "xla" reduces the LM head's gradient over the batch axes in every chunk; "compute" maps each device's rows on
+    their own (loss.per_device) and reduces it once: the float32 bytes reduced per step are then 4 x the parameters,
+    counted from their shapes, each gradient once. Every gradient stays that of "xla" (float32 compute) to float32
+    rounding (summed in another order); test_step checks the chunked loss against numpy."""
+    from olmo3eqx import aot
+    from olmo3eqx import loss as loss_lib
+
+    def reduced_bytes(cfg):
+        layout = build_layout(cfg)
+        traffic = aot.compile_step(cfg, layout).collectives
+        return sum(c.count * c.raw.get("f32", 0) for c in traffic.collectives
+                   if c.kind in ("all-reduce", "reduce-scatter"))
+
+    monkeypatch.setattr(loss_lib, "LOGITS_BUDGET", 1 << 10)  # 1 row x 128 vocab a device: chunks of 8 positions
+    assert loss_lib.loss_chunk(1, SEQ, MODEL.vocab_size) == 8
+    params = sum(x.size for x in jax.tree.leaves(build_layout(cfg_for("float32", "xla", 8)).abstract.model))
+    head = MODEL.vocab_size * MODEL.hidden_size
+    assert 4 * params <= reduced_bytes(cfg_for("float32", "compute", 8)) < 4 * (params + head)
+    assert reduced_bytes(cfg_for("float32", "xla", 8)) >= 4 * (params + (SEQ // 8 - 1) * head)
+    g_c, g_x = (jax.tree.leaves(gradients(cfg_for("float32", g, 8))) for g in ("compute", "xla"))
+    for a, b in zip(g_c, g_x, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))

@@ -19,6 +19,7 @@ from olmo3eqx.config import chip_name, load_yaml, remat_by_chip_entries
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 sys.path.insert(0, str(REPO / "bench"))
+import bench_collectives  # noqa: E402
 import bench_tpu_memory  # noqa: E402
 import bench_tpu_plan  # noqa: E402
 import bench_tpu_validate  # noqa: E402
@@ -42,7 +43,7 @@ def test_every_stored_cell_says_how_it_was_made(name):
     assert cells
     for key, cell in cells.items():
         made = cell["provenance"]
-        assert made["command"].startswith("python bench/bench_tpu_"), key
+        assert made["command"].startswith(("python bench/bench_tpu_", "python bench/bench_collectives.py")), key
         assert datetime.datetime.fromisoformat(made["date"]).tzinfo is not None, key
         assert made["versions"]["jax"] and made["versions"]["libtpu"], key
 
@@ -145,3 +146,30 @@ def test_presets_ephemeral_checkpoints_lose_at_most_30_minutes_of_the_slowest_pl
     fits = [k for k in range(1, ckpt.every) if ckpt.every % k == 0 and
             k * max(steps.values()) * PREDICTION_FACTOR <= EPHEMERAL_LOSS_S]
     assert ckpt.ephemeral_every == max(fits), (preset, steps)
+
+
+def test_the_docs_collective_tables_are_the_stored_ones():
+    """docs/tpu-gpu.md's before/after table and GPU cluster plan are bench_collectives.py --markdown of the stored
+    cells."""
+    stored_all = json.loads((RESULTS / "collectives.json").read_text())
+    text = DOCS.read_text()
+    assert bench_collectives.markdown(stored_all) in text
+    assert bench_collectives.plan_markdown(stored_all, load_yaml(REPO / "configs" / "olmo3-7b-stage1.yaml")) in text
+
+
+@pytest.mark.parametrize("key", sorted(k for k, c in stored_or_none("collectives.json").items()
+                                       if c["variant"] == "after"))
+def test_after_weights_cross_in_bfloat16_gradients_in_float32_and_nothing_sharded_crosses_a_node(key):
+    """Every stored 7B step of issue 55's program: its all-gathers are the weights' and move bfloat16 (the token ids'
+    int32 a rounding error), the gradients' reductions over the batch axes are float32, and across nodes or slices
+    only the data axis runs (no fsdp or tensor group spans two)."""
+    rows = stored("collectives.json")[key]["collectives"]["rows"]
+
+    def share(kinds, dtype):
+        moved = [r for r in rows if r["kind"] in kinds and set(r["axes"]) & {"data", "fsdp"}]
+        total = sum(r["bytes_per_device"] for r in moved)
+        return sum(r["bytes_per_device"] for r in moved if r["dtype"] == dtype) / total
+
+    assert share(("all-gather",), "bf16") > 0.99, key
+    assert share(("reduce-scatter", "all-reduce"), "f32") > 0.99, key
+    assert all(set(r["axes"]) <= {"data"} for r in rows if r["link"] == "across"), key

@@ -65,6 +65,11 @@ def traced_gathering(gather_dtype: str, fn):
     return traced
 
 
+def compute_mode() -> bool:
+    """Whether this trace runs in mesh.gather_dtype "compute" (the train step's default)."""
+    return _GATHER.get() == "compute"
+
+
 def explicit() -> bool:
     """Whether this trace gathers weights explicitly: mesh.gather_dtype "compute" under an abstract mesh
     (sharding.on_mesh) with an fsdp axis > 1."""
