@@ -53,6 +53,7 @@ def two_slices():
 def test_two_tpu_slices(two_slices, capsys):
     devices = two_slices
     assert [d.slice_index for d in devices] == [0] * 4 + [1] * 4
+    assert [d.slice_index for d in aot.topology_devices("2xv5p:2x2x1")] == [0] * 4 + [1] * 4  # --target's name
     assert list(granule_ids(devices)) == [0] * 4 + [1] * 4
     mesh = make_mesh(MeshConfig(data=2), devices)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}

@@ -178,9 +178,10 @@ class StepReport:
         return out
 
 
-def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepReport:
+def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_time: bool = True) -> StepReport:
     """Lower and compile `cfg`'s train step over `layout` (abstract inputs: nothing allocated) and measure it; `gpu`:
-    the layout's simulated devices stand for that GPU node (attention planned as on its GPUs, its memory)."""
+    the layout's simulated devices stand for that GPU node (attention planned as on its GPUs, its memory);
+    `predict_time` False: no TPU step-time prediction (it compiles the loop bodies again)."""
     import contextlib
 
     import jax
@@ -219,7 +220,7 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None) -> StepRe
     cost = compiled.cost_analysis()
     flops = cost.get("flops") if isinstance(cost, dict) else None
     prediction = error = None
-    if devices[0].platform == "tpu":
+    if devices[0].platform == "tpu" and predict_time:
         from olmo3eqx.costmodel import CostModelError, predict
 
         try:

@@ -273,8 +273,32 @@ def chunk_seconds(cfg, layout) -> tuple[float, int]:
         _, vjp = jax.vjp(jax.checkpoint(fn) if chunks > 1 else fn, h, weight)
         return vjp((cotangent, cotangent))
 
+    if chunks > 1 and local_loss(cfg, mesh, rows):
+        # the step's loss.per_device: each device's rows against the LM head gathered once, its gradient summed on
+        # the device (reduced once a step, outside the chunk loop: part of the step's own figure)
+        from jax.sharding import PartitionSpec as P
+
+        from olmo3eqx.sharding import BATCH_AXES
+
+        rows_spec = P(BATCH_AXES)
+        body = jax.shard_map(body, mesh=mesh, in_specs=(rows_spec, P(), rows_spec, rows_spec),
+                             out_specs=(rows_spec, P()), check_vma=False)
+        head = jax.ShapeDtypeStruct(weight.shape, DTYPE[m.compute_dtype],
+                                    sharding=jax.sharding.NamedSharding(mesh, P()))
     seconds = optimal_seconds(_compile(cfg, body, mesh, h, head, ys, ct, out_shardings=(h.sharding, head.sharding)))
     return seconds, chunks
+
+
+def local_loss(cfg, mesh, rows: int) -> bool:
+    """Whether the step's chunked loss maps each device's rows on their own (loss.rows_per_device, in cfg's
+    mesh.gather_dtype)."""
+    import jax
+
+    from olmo3eqx.loss import rows_per_device
+    from olmo3eqx.precision import gathering
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), gathering(cfg.mesh.gather_dtype):
+        return rows_per_device(rows)
 
 
 def optimizer_seconds(cfg, layout) -> float:
