@@ -297,3 +297,42 @@ def test_two_tpu_slices_count_what_crosses_the_data_centre_network():
     within = traffic("fsdp")
     assert within.total(True) == 0 and not [c for c in within.collectives if c.kind == "dcn-send"], within.lines()
     assert {c.axes for c in within.collectives} == {("fsdp",)}, within.lines()
+
+
+PADDED_GATHER = """HloModule m, is_scheduled=true
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%padded (p: bf16[2,4], i: s32[]) -> bf16[8,4] {
+  %p = bf16[2,4]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = bf16[] constant(0)
+  %zeros = bf16[8,4]{1,0} broadcast(%zero), dimensions={}
+  %j = s32[] constant(0)
+  ROOT %dus = bf16[8,4]{1,0} dynamic-update-slice(%zeros, %p, %i, %j)
+}
+
+ENTRY %main (x: bf16[2,4], y: bf16[8,4], k: s32[]) -> (bf16[8,4], bf16[8,4]) {
+  %x = bf16[2,4]{1,0} parameter(0)
+  %y = bf16[8,4]{1,0} parameter(1)
+  %k = s32[] parameter(2)
+  %part = bf16[8,4]{1,0} fusion(%x, %k), kind=kLoop, calls=%padded
+  %gathered = bf16[8,4]{1,0} all-reduce(%part), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  %summed = bf16[8,4]{1,0} all-reduce(%y), channel_id=2, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %out = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) tuple(%gathered, %summed)
+}
+"""
+"""XLA:TPU's all-gather run as an all-reduce: each device's [2, 4] part written into a zero [8, 4] (a fused
+dynamic-update-slice into a broadcast), summed over a group of 4; beside it a plain all-reduce."""
+
+
+def test_an_all_reduce_of_zero_padded_parts_is_the_all_gather_it_runs():
+    traffic = account(PADDED_GATHER, permuted_mesh())
+    gather, plain = only(traffic, "all-gather"), only(traffic, "all-reduce")
+    assert gather.name == "gathered" and plain.name == "summed"
+    assert gather.raw == plain.raw == {"bf16": 8 * 4 * 2}
+    assert gather.bytes_per_device == plain.bytes_per_device == 2 * 3 / 4 * 64  # run as the all-reduce it is

@@ -15,7 +15,9 @@ spans more than one granule (a node or a TPU slice: `granules`, shaped like mesh
   holding a copy of the collective: the start's is counted). XLA:TPU's reduce-scatter, a fusion that slices this
   device's part out of an all-reduce (`all-reduce-scatter`), counts as the reduce-scatter it runs as, and so does an
   all-reduce whose every user slices a part out of it (the program as partitioned, read on CPU devices before
-  XLA:CPU's own passes: XLA:GPU's reduce-scatter creator makes it a reduce-scatter).
+  XLA:CPU's own passes: XLA:GPU's reduce-scatter creator makes it a reduce-scatter). An all-reduce of zero-padded
+  parts (each device's part written into a broadcast zero: XLA:TPU's way of running some all-gathers) counts as an
+  all-gather, with the all-reduce's bytes.
 - Groups. Replica groups come as lists (`{{0,1},{2,3}}`), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) or mesh-axes
   form (`mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}`, sub-axes `'axis_0':(2)2`); with
   use_global_device_ids the ids are partition ids, the positions in `mesh.devices.flat` (tests/test_collectives.py
@@ -99,6 +101,8 @@ class Collective:
     exact: str = "exact"
     """"exact", "unknown" (inside a loop whose trip count neither the compiler nor its condition states: counted as
     one trip) or "at most" (inside a conditional's branch)."""
+    as_all_reduce: bool = False
+    """An all-gather XLA:TPU runs as an all-reduce of zero-padded parts (sized as the all-reduce it runs as)."""
 
     @property
     def factor(self) -> float:
@@ -110,7 +114,7 @@ class Collective:
             return 1.0 if self.axes else 0.0
         if n <= 1:
             return 0.0
-        return (2 * (n - 1) / n) if self.kind == "all-reduce" else (n - 1) / n
+        return (2 * (n - 1) / n) if self.kind == "all-reduce" or self.as_all_reduce else (n - 1) / n
 
     @property
     def bytes_per_device(self) -> float:
@@ -532,7 +536,7 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
                 if kind.group(2) != "-done" and not _tpu_async_copy(inst, roots[name]):
                     found.append(_collective(inst, kind.group(1), kind.group(2) == "-start", name, count, exact,
                                              _scattered(inst, roots[name]) or _sliced(inst, users), shape,
-                                             axis_names, granule))
+                                             axis_names, granule, _gathering(inst, computations, by_name, roots)))
                 continue
             if inst.op.endswith("-done") or inst.op == "async-update":
                 continue
@@ -588,6 +592,34 @@ def _scattered(inst: _Inst, root: _Inst | None) -> bool:
             and _operands(root)[:1] == [inst.name])
 
 
+def _gathering(inst: _Inst, computations, by_name: dict[str, _Inst], roots) -> bool:
+    """XLA:TPU runs some all-gathers as an all-reduce of zero-padded buffers: each device writes its part into zeros
+    (a dynamic-update-slice into a broadcast constant, possibly fused) and the sum is the gathered array. Such an
+    all-reduce counts as the all-gather it is, with the all-reduce's bytes (what it runs as)."""
+    if inst.op != "all-reduce":
+        return False
+    operands = _operands(inst)
+    return bool(operands) and all(_zero_padded(name, computations, by_name, roots, 0) for name in operands)
+
+
+def _zero_padded(name: str, computations, by_name: dict[str, _Inst], roots, depth: int) -> bool:
+    inst = by_name.get(name)
+    if inst is None or depth > 8:
+        return False
+    if inst.op == "dynamic-update-slice":
+        base = by_name.get(_operands(inst)[0])
+        while base is not None and base.op in ("copy", "bitcast"):
+            base = by_name.get(_operands(base)[0])
+        return base is not None and base.op == "broadcast"
+    if inst.op in ("copy", "bitcast"):
+        return _zero_padded(_operands(inst)[0], computations, by_name, roots, depth + 1)
+    if inst.op == "fusion":
+        called = [c for role, c in _called(inst) if role == "calls"]
+        root = roots.get(called[0]) if called else None
+        return root is not None and _zero_padded(root.name, computations, by_name, roots, depth + 1)
+    return False
+
+
 def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
     """An all-reduce each device then slices its own part out of (every user a dynamic-slice, through the
     get-tuple-elements of a combined one): the program as partitioned, before XLA:GPU's reduce-scatter creator (and
@@ -601,7 +633,8 @@ def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
 
 
 def _collective(inst: _Inst, kind: str, start: bool, computation: str, count: int, exact: str, scattered: bool,
-                shape: tuple[int, ...], axis_names: tuple[str, ...], granule: np.ndarray) -> Collective:
+                shape: tuple[int, ...], axis_names: tuple[str, ...], granule: np.ndarray,
+                gathering: bool = False) -> Collective:
     raw = _bytes_by_dtype(_result(kind, start, inst.shape))
     partitions = granule.size
     if kind == "collective-permute":
@@ -628,6 +661,8 @@ def _collective(inst: _Inst, kind: str, start: bool, computation: str, count: in
         raw = {d: b * n for d, b in raw.items()}
     elif scattered:  # the all-reduce's buffer is the reduce-scatter's input
         kind = "reduce-scatter"
+    elif gathering:  # an all-gather run as an all-reduce of zero-padded parts: the all-reduce's bytes
+        return Collective("all-gather", inst.name, computation, raw, n, axes, across, count, exact, as_all_reduce=True)
     return Collective(kind, inst.name, computation, raw, n, axes, across, count, exact)
 
 
