@@ -1,4 +1,4 @@
-"""Every byte a 7B step communicates, before and after issue 55, and what it costs on GPU clusters of 1 to 128 nodes.
+"""Every byte a 7B step communicates, before and after the mesh learned nodes and slices (2026-12-06), and what it costs on GPU clusters of 1 to 128 nodes.
 
 The train step is compiled ahead of time (olmo3eqx.aot.compile_step: nothing allocated or run) and its program's
 collectives counted (olmo3eqx.collectives: kind, dtype, runs per step, bytes each device sends by the ring algorithm,
@@ -10,7 +10,7 @@ mesh axes, within or across a node/slice). TPU targets compile with XLA:TPU (lib
         [--targets v5p:8x8x2 2xv5p:8x8x1 16xh100x8] [--variants before after]
     python bench/bench_collectives.py --gpu-plan [--nodes 1 2 16 128]
 
-Variants: `before` is the program as it was before issue 55 (mesh.gather_dtype xla: the casts where XLA places them;
+Variants: `before` is the program as it was until 2026-12-06 (mesh.gather_dtype xla: the casts where XLA places them;
 fsdp over every device as the presets put it, across nodes/slices allowed); `after` gathers weights in the compute
 dtype and reduces gradients in float32 (mesh.gather_dtype compute) with data across nodes/slices and fsdp within
 (mesh.data = the number of nodes or slices). Each cell is what `train.py --config C --dry-run --target T` with those

@@ -212,3 +212,34 @@ def test_a_chunked_loss_reduces_the_lm_head_gradient_once(monkeypatch):
     g_c, g_x = (jax.tree.leaves(gradients(cfg_for("float32", g, 8))) for g in ("compute", "xla"))
     for a, b in zip(g_c, g_x, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
+
+
+def test_on_two_nodes_only_data_crosses_and_the_gradients_stay(monkeypatch):
+    """Two nodes of 4 devices (mesh.node_devices 4, data 2 x fsdp 4), bfloat16 compute, the loss in chunks: every
+    weight's gathers and gradient reduce-scatters stay within a node, and across nodes only the data axis runs,
+    save what is replicated, which every data-parallel step sums over all devices (loss sums, the norm weights'
+    gradients: no more bytes than those leaves hold). Left to the partitioner the embedding's and LM head's gradients were reduced over every
+    device at once (loss.per_device, precision.hierarchical). The gradients are "xla"'s to bfloat16's rounding."""
+    from olmo3eqx import aot
+    from olmo3eqx import loss as loss_lib
+
+    monkeypatch.setattr(loss_lib, "LOGITS_BUDGET", 1 << 10)
+
+    def on_two_nodes(gather):
+        cfg = cfg_for("bfloat16", gather, 4)
+        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, data=2, node_devices=4))
+
+    cfg = on_two_nodes("compute")
+    layout = build_layout(cfg)
+    traffic = aot.compile_step(cfg, layout).collectives
+    assert traffic.total(True) > 0
+    replicated = sum(leaf.size for leaf, s in zip(jax.tree.leaves(layout.abstract.model),
+                                                  jax.tree.leaves(layout.shardings.model))
+                     if "fsdp" not in jax.tree.leaves(tuple(s.spec)))
+    spanning = sum(c.count * sum(c.raw.values()) for c in traffic.collectives if c.across and set(c.axes) - {"data"})
+    assert spanning <= 4 * replicated + 1024, traffic.lines()  # the replicated leaves' gradients and a few scalars
+    assert all(r.axes == ("fsdp",) for r in traffic.rows if r.kind in ("all-gather", "reduce-scatter")), \
+        traffic.lines()
+    g_c, g_x = (jax.tree.leaves(gradients(on_two_nodes(g))) for g in ("compute", "xla"))
+    for a, b in zip(g_c, g_x, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-2 * float(np.abs(np.asarray(b)).max()))

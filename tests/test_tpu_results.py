@@ -162,7 +162,8 @@ def test_the_docs_collective_tables_are_the_stored_ones():
 def test_after_weights_cross_in_bfloat16_gradients_in_float32_and_nothing_sharded_crosses_a_node(key):
     """Every stored 7B step of issue 55's program: its all-gathers are the weights' and move bfloat16 (the token ids'
     int32 a rounding error), the gradients' reductions over the batch axes are float32, and across nodes or slices
-    only the data axis runs (no fsdp or tensor group spans two)."""
+    only the data axis runs: no fsdp or tensor group spans two, save the sums over every device of what is replicated
+    (the norm weights' gradients, the loss's scalars: under 0.1% of the bytes)."""
     rows = stored("collectives.json")[key]["collectives"]["rows"]
 
     def share(kinds, dtype):
@@ -172,4 +173,6 @@ def test_after_weights_cross_in_bfloat16_gradients_in_float32_and_nothing_sharde
 
     assert share(("all-gather",), "bf16") > 0.99, key
     assert share(("reduce-scatter", "all-reduce"), "f32") > 0.99, key
-    assert all(set(r["axes"]) <= {"data"} for r in rows if r["link"] == "across"), key
+    across = sum(r["bytes_per_device"] for r in rows if r["link"] == "across")
+    spanning = sum(r["bytes_per_device"] for r in rows if r["link"] == "across" and set(r["axes"]) - {"data"})
+    assert spanning <= 1e-3 * across, key  # replicated leaves (norm weights) and scalars summed over every device

@@ -72,18 +72,20 @@ def unembed_then(fn: Callable, lm_head: Float[Array, "d v"]) -> Callable:
 
 
 def map_logits(fn: Callable, hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], ys: Int[Array, "b s"], *,
-               remat: bool) -> tuple[Array, ...]:
+               remat: bool, master: Float[Array, "d v"] | None = None) -> tuple[Array, ...]:
     """fn(float32 logits [b, c, v], ys [b, c]) -> per-position outputs [b, c], applied over the sequence `chunk`
     positions at a time (lax.map: one chunk of logits alive at once) and reassembled as [b, s] each.
 
     With `remat` and several chunks the chunk function is rematerialised, so a backward pass never holds more
     than one chunk of logits; when the whole sequence is one chunk its logits are kept instead of computed twice.
     Over a mesh whose batch axes split the rows (and no tensor axis), in the train step's mesh.gather_dtype
-    "compute", each device maps its own rows (rows_per_device)."""
+    "compute", each device maps its own rows (rows_per_device); `master` (the float32 LM head as the parameters hold
+    it, for a loss to differentiate) is then gathered there, its gradient reduced as HSDP does (per_device)."""
     b, s, _ = hidden.shape
     chunk, _ = chunk_plan(b, s, lm_head.shape[1])
     if chunk != s and rows_per_device(b):
-        return per_device(fn, hidden, lm_head, ys, chunk, remat)
+        return per_device(fn, hidden, lm_head if master is None else master, ys, chunk, remat,
+                          gather=master is not None)
     return map_chunks(fn, hidden, lm_head, ys, chunk, remat)
 
 
@@ -112,33 +114,49 @@ def rows_per_device(batch: int) -> bool:
     return mesh.shape["tensor"] == 1 and shards > 1 and batch % shards == 0
 
 
-def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool) -> tuple[Array, ...]:
-    """map_chunks on each device's rows, the LM head's gradient summed over the devices once, in float32.
+def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool, gather: bool) -> tuple[Array, ...]:
+    """map_chunks on each device's rows (shard_map over the batch axes).
 
     Left to the partitioner, the chunk loop's backward reduces the LM head's gradient over the batch axes in every
     chunk (the loop carries it replicated): for the 7B stage-1 step on 16 nodes of 8 GPUs, 64 all-reduces of a
-    [100352, 4096] float32 gradient a step, 171 GiB sent per device (bench/bench_collectives.py). Here the rows stay
-    on their device (shard_map over the batch axes); the weight enters as float32 made device-varying once, before
-    the loop (lax.pcast), so each chunk's contribution adds into a float32 local sum and the one reduction is the
-    transpose of that cast, after the loop."""
+    [100352, 4096] float32 gradient a step, 171 GiB sent per device (bench/bench_collectives.py). Here, with
+    `gather`, `lm_head` is the float32 master as the parameters shard it: each device gathers it over fsdp in the
+    compute dtype once, before the loop, and holds it as float32, so each chunk's contribution to its gradient adds
+    into a float32 sum on the device; after the loop that sum is reduce-scattered over fsdp (within a node or slice)
+    and, as the transpose of the shard_map over a weight replicated across data, all-reduced over data on the shard
+    (across them): once a step, in float32, in HSDP's order. Without `gather` (evaluation: no gradient) `lm_head` is
+    the gathered weight, replicated."""
     from jax.sharding import PartitionSpec as P
 
+    from olmo3eqx import precision
     from olmo3eqx.sharding import BATCH_AXES
 
     rows = P(BATCH_AXES)
+    spec = precision.param_spec(("lm_head", "weight"), lm_head.shape) if gather else P()
+    dim = precision.fsdp_dim(spec)
+    dtype = hidden.dtype
+
+    @jax.custom_vjp
+    def gathered(w):
+        return jax.lax.all_gather(w.astype(dtype), "fsdp", axis=dim, tiled=True).astype(jnp.float32)
+
+    def backward(_, cotangent):
+        return (jax.lax.psum_scatter(cotangent, "fsdp", scatter_dimension=dim, tiled=True),)
+
+    gathered.defvjp(lambda w: (gathered(w), None), backward)
 
     def local(h, w, y):
-        w = jax.lax.pcast(w.astype(jnp.float32), BATCH_AXES, to="varying")
-        return map_chunks(fn, h, w, y, chunk, remat)
+        return map_chunks(fn, h, w if dim is None else gathered(w), y, chunk, remat)
 
-    return jax.shard_map(local, in_specs=(rows, P(), rows), out_specs=rows)(hidden, lm_head, ys)
+    return jax.shard_map(local, in_specs=(rows, spec, rows), out_specs=rows, check_vma=False)(hidden, lm_head, ys)
 
 
 def token_losses(
-    hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float
+    hidden: Float[Array, "b s d"], lm_head: Float[Array, "d v"], labels: Int[Array, "b s"], z_loss: float,
+    master: Float[Array, "d v"] | None = None,
 ) -> tuple[Float[Array, "b s"], Float[Array, "b s"]]:
-    """Per-token cross-entropy and z-loss (`z_loss * logsumexp(logits)^2`) in float32."""
-    return map_logits(ce_and_z(z_loss), hidden, lm_head, labels, remat=True)
+    """Per-token cross-entropy and z-loss (`z_loss * logsumexp(logits)^2`) in float32 (`master`: map_logits)."""
+    return map_logits(ce_and_z(z_loss), hidden, lm_head, labels, remat=True, master=master)
 
 
 def ce_and_z(z_loss: float) -> Callable:
@@ -157,7 +175,8 @@ def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b 
     """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1];
     `segment_ids` (packed batches) keep attention within each document."""
     hidden = model.hidden(tokens, segment_ids=segment_ids)
-    ce, z = token_losses(hidden, model.head_weight(hidden.dtype), next_token_labels(tokens), z_loss)
+    ce, z = token_losses(hidden, model.head_weight(hidden.dtype), next_token_labels(tokens), z_loss,
+                         master=model.lm_head.weight)
     return jnp.sum(ce * weights), jnp.sum(z * weights)
 
 

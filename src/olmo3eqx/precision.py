@@ -153,10 +153,50 @@ def dense(x: Float[Array, "n din"], w: Float[Array, "din dout"], spec: P) -> Flo
 
 def take_rows(table: Float[Array, "vocab d"], rows: Int[Array, "*batch"], dtype, spec: P) -> Float[Array, "*batch d"]:
     """table[rows] in `dtype`, the table (a float32 master sharded as `spec`) gathered in `dtype`; its gradient (the
-    cotangent's rows added into a zero table) in float32."""
+    cotangent's rows added into a zero table) in float32, each device's rows added on the device and reduced as HSDP
+    does (`hierarchical`): left to the partitioner, the whole table's gradient was all-reduced over every device at
+    once, across nodes."""
     y = jax.lax.stop_gradient(gathered(table, dtype, spec))[rows]
 
-    def gradient(ids, cotangent):
+    def partial(ids, cotangent):
         return jnp.zeros(table.shape, jnp.float32).at[ids].add(cotangent.astype(jnp.float32))
 
+    def gradient(ids, cotangent):
+        if hierarchical_ok(spec, ids.shape[0]):
+            return hierarchical(partial, spec, ids, cotangent)
+        return partial(ids, cotangent)
+
     return y + weight_gradient_path(y.shape, y.dtype, rows, table, spec, gradient)
+
+
+def fsdp_dim(spec: P) -> int | None:
+    """The dimension `spec` shards over fsdp (None: replicated over it)."""
+    return next((i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)), None)
+
+
+def hierarchical_ok(spec: P, rows: int) -> bool:
+    """Whether `hierarchical` applies: a mesh of data x fsdp in context with no tensor split and batch axes that
+    divide `rows`, `spec` naming no axis but fsdp."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1:
+        return False
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    return rows % shards == 0 and all(e in (None, "fsdp") for e in spec)
+
+
+def hierarchical(partial, spec: P, *args: Array) -> Array:
+    """A weight's float32 gradient from each device's own rows: partial(*local rows of args) is this device's
+    contribution (the weight's full shape), reduce-scattered over fsdp (within a node or slice) and then all-reduced
+    over data (across them, on the shard), the order OLMo-core's HSDP reduces in; laid out as `spec`. `args` are
+    split over the batch axes on their first dimension."""
+    from olmo3eqx.sharding import BATCH_AXES
+
+    dim = fsdp_dim(spec)
+
+    def local(*xs):
+        g = partial(*xs)
+        g = jax.lax.psum(g, "fsdp") if dim is None else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim,
+                                                                              tiled=True)
+        return jax.lax.psum(g, "data")
+
+    return jax.shard_map(local, in_specs=tuple(P(BATCH_AXES) for _ in args), out_specs=spec, check_vma=False)(*args)
