@@ -192,11 +192,13 @@ def hierarchical(partial, spec: P, *args: Array) -> Array:
     from olmo3eqx.sharding import BATCH_AXES
 
     dim = fsdp_dim(spec)
+    sizes = jax.sharding.get_abstract_mesh().shape
 
     def local(*xs):
         g = partial(*xs)
-        g = jax.lax.psum(g, "fsdp") if dim is None else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim,
-                                                                              tiled=True)
-        return jax.lax.psum(g, "data")
+        if sizes["fsdp"] > 1:
+            g = jax.lax.psum(g, "fsdp") if dim is None else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim,
+                                                                                  tiled=True)
+        return jax.lax.psum(g, "data") if sizes["data"] > 1 else g
 
     return jax.shard_map(local, in_specs=tuple(P(BATCH_AXES) for _ in args), out_specs=spec, check_vma=False)(*args)
