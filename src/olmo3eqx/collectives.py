@@ -602,22 +602,35 @@ def _gathering(inst: _Inst, computations, by_name: dict[str, _Inst], roots) -> b
     return bool(operands) and all(_zero_padded(name, computations, by_name, roots, 0) for name in operands)
 
 
-def _zero_padded(name: str, computations, by_name: dict[str, _Inst], roots, depth: int) -> bool:
+def _zero_padded(name: str, computations, by_name: dict[str, _Inst], roots, depth: int,
+                 caller: list[str] | None = None) -> bool:
+    """Whether `name` is a buffer of zeros with a part written in (a dynamic-update-slice into a broadcast), seen
+    through copies, bitcasts and fusions (a fused computation's parameter k being its caller's operand k)."""
     inst = by_name.get(name)
     if inst is None or depth > 8:
         return False
     if inst.op == "dynamic-update-slice":
-        base = by_name.get(_operands(inst)[0])
-        while base is not None and base.op in ("copy", "bitcast"):
-            base = by_name.get(_operands(base)[0])
-        return base is not None and base.op == "broadcast"
+        return _is_broadcast(_operands(inst)[0], by_name, caller)
     if inst.op in ("copy", "bitcast"):
-        return _zero_padded(_operands(inst)[0], computations, by_name, roots, depth + 1)
+        return _zero_padded(_operands(inst)[0], computations, by_name, roots, depth + 1, caller)
     if inst.op == "fusion":
         called = [c for role, c in _called(inst) if role == "calls"]
         root = roots.get(called[0]) if called else None
-        return root is not None and _zero_padded(root.name, computations, by_name, roots, depth + 1)
+        return root is not None and _zero_padded(root.name, computations, by_name, roots, depth + 1, _operands(inst))
     return False
+
+
+def _is_broadcast(name: str, by_name: dict[str, _Inst], caller: list[str] | None) -> bool:
+    base = by_name.get(name)
+    while base is not None and base.op in ("copy", "bitcast", "parameter"):
+        if base.op == "parameter":
+            index = _ints(base.args)
+            if caller is None or not index or index[0] >= len(caller):
+                return False
+            base, caller = by_name.get(caller[index[0]]), None
+        else:
+            base = by_name.get(_operands(base)[0])
+    return base is not None and base.op == "broadcast"
 
 
 def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
