@@ -316,23 +316,37 @@ PADDED_GATHER = """HloModule m, is_scheduled=true
   ROOT %dus = bf16[8,4]{1,0} dynamic-update-slice(%zeros, %p, %i, %j)
 }
 
-ENTRY %main (x: bf16[2,4], y: bf16[8,4], k: s32[]) -> (bf16[8,4], bf16[8,4]) {
+%into (z2: bf16[8,4], p2: bf16[2,4], i2: s32[]) -> bf16[8,4] {
+  %z2 = bf16[8,4]{1,0} parameter(0)
+  %p2 = bf16[2,4]{1,0} parameter(1)
+  %i2 = s32[] parameter(2)
+  %j2 = s32[] constant(0)
+  ROOT %dus2 = bf16[8,4]{1,0} dynamic-update-slice(%z2, %p2, %i2, %j2)
+}
+
+ENTRY %main (x: bf16[2,4], y: bf16[8,4], k: s32[]) -> (bf16[8,4], bf16[8,4], bf16[8,4]) {
   %x = bf16[2,4]{1,0} parameter(0)
   %y = bf16[8,4]{1,0} parameter(1)
   %k = s32[] parameter(2)
   %part = bf16[8,4]{1,0} fusion(%x, %k), kind=kLoop, calls=%padded
   %gathered = bf16[8,4]{1,0} all-reduce(%part), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
   %summed = bf16[8,4]{1,0} all-reduce(%y), channel_id=2, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
-  ROOT %out = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) tuple(%gathered, %summed)
+  %zero3 = bf16[] constant(0)
+  %zeros3 = bf16[8,4]{1,0} broadcast(%zero3), dimensions={}
+  %part2 = bf16[8,4]{1,0} fusion(%zeros3, %x, %k), kind=kLoop, calls=%into
+  %gathered2 = bf16[8,4]{1,0} all-reduce(%part2), channel_id=3, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %out = (bf16[8,4]{1,0}, bf16[8,4]{1,0}, bf16[8,4]{1,0}) tuple(%gathered, %summed, %gathered2)
 }
 """
 """XLA:TPU's all-gather run as an all-reduce: each device's [2, 4] part written into a zero [8, 4] (a fused
-dynamic-update-slice into a broadcast), summed over a group of 4; beside it a plain all-reduce."""
+dynamic-update-slice into a broadcast), summed over a group of 4, once with the zeros made inside the fusion and once
+passed in as its parameter; beside them a plain all-reduce."""
 
 
 def test_an_all_reduce_of_zero_padded_parts_is_the_all_gather_it_runs():
     traffic = account(PADDED_GATHER, permuted_mesh())
-    gather, plain = only(traffic, "all-gather"), only(traffic, "all-reduce")
-    assert gather.name == "gathered" and plain.name == "summed"
-    assert gather.raw == plain.raw == {"bf16": 8 * 4 * 2}
-    assert gather.bytes_per_device == plain.bytes_per_device == 2 * 3 / 4 * 64  # run as the all-reduce it is
+    gathers, plain = [c for c in traffic.collectives if c.kind == "all-gather"], only(traffic, "all-reduce")
+    assert [g.name for g in gathers] == ["gathered", "gathered2"] and plain.name == "summed"
+    for gather in gathers:
+        assert gather.raw == plain.raw == {"bf16": 8 * 4 * 2}
+        assert gather.bytes_per_device == plain.bytes_per_device == 2 * 3 / 4 * 64  # run as the all-reduce it is
