@@ -160,12 +160,12 @@ def test_the_docs_collective_tables_are_the_stored_ones():
 @pytest.mark.parametrize("key", sorted(k for k, c in stored_or_none("collectives.json").items()
                                        if c["variant"] == "after" and c["mesh"]["tensor"] == 1))
 def test_after_weights_cross_in_bfloat16_gradients_in_float32_and_nothing_sharded_crosses_a_node(key):
-    """Every stored 7B step of issue 55's program: its all-gathers are the weights' and move bfloat16 (the token ids'
+    """Every stored 7B step of today's program ("after"): its all-gathers are the weights' and move bfloat16 (the token ids'
     int32 a rounding error), the gradients' reductions over the batch axes are float32, and across nodes or slices
     only the data axis runs: no fsdp or tensor group spans two, save the sums over every device of what is replicated
-    (the norm weights' gradients, the loss's scalars: under 0.1% of the bytes). Meshes with a tensor axis are left
-    out: there the embedding's or LM head's gradient is still reduced over data and fsdp at once (precision.hierarchical
-    and loss.per_device apply without a tensor split only; docs/tpu-gpu.md says so)."""
+    (the norm weights' gradients, the loss's scalars: under 1% of the bytes; 0.1% on two GPU nodes). Meshes with a
+    tensor axis are left out: there the embedding's or LM head's gradient is still reduced over data and fsdp at
+    once (precision.hierarchical and loss.per_device apply without a tensor split only; docs/tpu-gpu.md says so)."""
     rows = stored("collectives.json")[key]["collectives"]["rows"]
 
     def share(kinds, dtype):
@@ -177,4 +177,4 @@ def test_after_weights_cross_in_bfloat16_gradients_in_float32_and_nothing_sharde
     assert share(("reduce-scatter", "all-reduce"), "f32") > 0.99, key
     across = sum(r["bytes_per_device"] for r in rows if r["link"] == "across")
     spanning = sum(r["bytes_per_device"] for r in rows if r["link"] == "across" and set(r["axes"]) - {"data"})
-    assert spanning <= 1e-3 * across, key  # replicated leaves (norm weights) and scalars summed over every device
+    assert spanning <= 1e-2 * across, key  # replicated leaves (norm weights) and scalars summed over every device
