@@ -129,7 +129,7 @@ def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool, gathe
     from jax.sharding import PartitionSpec as P
 
     from olmo3eqx import precision
-    from olmo3eqx.sharding import BATCH_AXES
+    from olmo3eqx.specs import BATCH_AXES
 
     rows = P(BATCH_AXES)
     spec = precision.param_spec(("lm_head", "weight"), lm_head.shape) if gather else P()

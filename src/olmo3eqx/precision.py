@@ -83,7 +83,7 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...], *, layer: bool = 
     """The PartitionSpec of the parameter at `names` (e.g. ("blocks", "attn", "q_proj", "weight")) on the abstract mesh
     in context (sharding.partition_spec, the one rule); `layer`: of one layer's slice of a stacked block leaf, i.e.
     the stacked leaf's spec without its leading entry."""
-    from olmo3eqx.sharding import partition_spec  # sharding -> state -> model -> here
+    from olmo3eqx.specs import partition_spec
 
     path = tuple(jax.tree_util.GetAttrKey(n) for n in names)
     mesh = jax.sharding.get_abstract_mesh()
@@ -189,7 +189,7 @@ def hierarchical(partial, spec: P, *args: Array) -> Array:
     contribution (the weight's full shape), reduce-scattered over fsdp (within a node or slice) and then all-reduced
     over data (across them, on the shard), the order OLMo-core's HSDP reduces in; laid out as `spec`. `args` are
     split over the batch axes on their first dimension."""
-    from olmo3eqx.sharding import BATCH_AXES
+    from olmo3eqx.specs import BATCH_AXES
 
     dim = fsdp_dim(spec)
     sizes = jax.sharding.get_abstract_mesh().shape

@@ -1,4 +1,4 @@
-"""The device mesh, the one rule that maps a parameter path to a PartitionSpec, and the run's Layout.
+"""The device mesh and the run's Layout; the rule that maps a parameter path to a PartitionSpec lives in specs.py.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer state sharded),
 `tensor` (Megatron-style column/row split of the projections). The batch is split over (data, fsdp).
@@ -20,18 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from olmo3eqx import optim
 from olmo3eqx.config import MeshConfig, TrainConfig
 from olmo3eqx.errors import ConfigError
+from olmo3eqx.specs import AXES, BATCH_AXES, COLUMN, ROW, partition_spec  # noqa: F401 (the rule, re-exported)
 from olmo3eqx.state import TrainState, abstract_state, init_state
-
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
-# Column-parallel (output dim split over `tensor`) and row-parallel (input dim split) projections.
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-ROW = ("o_proj", "down_proj")
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -132,46 +127,6 @@ def node_mesh(devices=None) -> Mesh:
     generation tools shard a model over (one node or slice: make_mesh(MeshConfig()))."""
     devices = list(jax.devices() if devices is None else devices)
     return make_mesh(MeshConfig(data=int(granule_ids(devices).max()) + 1), devices)
-
-
-def _names(path) -> list[str]:
-    out = []
-    for k in path:
-        name = getattr(k, "name", None) or getattr(k, "key", None)
-        if isinstance(name, str):
-            out.append(name)
-    return out
-
-
-def partition_spec(path, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> P:
-    """The rule. Layer-stacked leaves (under `blocks`) keep their leading layer axis unsharded; the tensor axis
-    splits the output of column-parallel and the input of row-parallel projections; fsdp then takes the largest
-    remaining dimension it divides. Scalars and anything fsdp divides nowhere are replicated."""
-    names = _names(path)
-    spec: list = [None] * len(shape)
-    first = 1 if "blocks" in names and len(shape) >= 1 else 0
-    dims = list(range(first, len(shape)))
-    if len(dims) == 0:
-        return P(*spec)
-    tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
-    if tensor > 1 and len(dims) == 2:
-        tdim = None
-        if any(n in names for n in COLUMN):
-            tdim = dims[1]
-        elif any(n in names for n in ROW):
-            tdim = dims[0]
-        elif "embed" in names:
-            tdim = dims[1]
-        if tdim is not None:
-            if shape[tdim] % tensor:
-                raise ConfigError(f"Parameter {'.'.join(names)} dim {shape[tdim]} is not divisible by "
-                                  f"mesh.tensor={tensor}; choose a tensor size that divides it.")
-            spec[tdim] = "tensor"
-    if fsdp > 1 and len(dims) >= 2:
-        free = sorted((d for d in dims if spec[d] is None and shape[d] % fsdp == 0), key=lambda d: -shape[d])
-        if free:
-            spec[free[0]] = "fsdp"
-    return P(*spec)
 
 
 def on_mesh(mesh: Mesh, fn):
