@@ -80,8 +80,9 @@ def flags(variant: str, granules: int) -> str:
     return f"--mesh.gather-dtype compute --mesh.data {granules} --mesh.fsdp -1"
 
 
-def compile_cell(base, target: str, variant: str, tensor: int = 1) -> dict:
-    """One target x variant compiled and counted: the JSON cell."""
+def compile_cell(base, config: str, target: str, variant: str, tensor: int = 1) -> dict:
+    """One target x variant of `base` (loaded from `config`, the path its command names) compiled and counted: the
+    JSON cell."""
     import jax
 
     from olmo3eqx import aot
@@ -105,7 +106,7 @@ def compile_cell(base, target: str, variant: str, tensor: int = 1) -> dict:
     # XLA:TPU's predicted time for one slice (several slices: the cost model does not see the network)
     report = aot.compile_step(cfg, layout, gpu, predict_time=granules == 1 and variant == "after")
     traffic = report.collectives
-    command = (f"python train.py --config {base_name(base)} --dry-run --target {target} {flags(variant, granules)}"
+    command = (f"python train.py --config {config} --dry-run --target {target} {flags(variant, granules)}"
                + (f" --mesh.tensor {tensor}" if tensor > 1 else ""))
     return {"command": command, "provenance": common.provenance(), "target": target, "variant": variant,
             "device_kind": report.device_kind, "devices": report.devices, "granules": granules,
@@ -124,13 +125,6 @@ def prediction(p) -> dict | None:
     return {"seconds": p.seconds, "mfu": p.mfu, "model_flops": p.model_flops, "maxtext_flops": p.maxtext_flops,
             "pieces": [dataclasses.asdict(x) for x in p.pieces], "attention": p.attention, "add_back": p.add_back,
             "compile_s": p.compile_s}
-
-
-_BASE_NAME: dict[int, str] = {}
-
-
-def base_name(cfg) -> str:
-    return _BASE_NAME.get(id(cfg), "configs/olmo3-7b-stage1.yaml")
 
 
 def load() -> dict:
@@ -221,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = load_yaml(args.config)
     shown = Path(args.config).resolve()
-    _BASE_NAME[id(base)] = str(shown.relative_to(common.REPO) if shown.is_relative_to(common.REPO) else shown)
+    config = str(shown.relative_to(common.REPO) if shown.is_relative_to(common.REPO) else shown)
     stored = load()
     if args.markdown:
         print(markdown(stored))
@@ -234,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         dp = (int(target.split("x")[0]) * GPUS_PER_NODE) if target[0].isdigit() else GPUS_PER_NODE
         # a batch row per data-parallel device at least: beyond global_batch devices, split rows over tensor
         tensor = max(1, -(-dp // base.data.global_batch)) if "h100" in target else 1
-        cell = compile_cell(base, target, variant, tensor)
+        cell = compile_cell(base, config, target, variant, tensor)
         stored = load()  # as it is now: another run may have stored cells since this one started
         stored["results"][key(args.config, target, variant, tensor)] = cell
         save(stored)

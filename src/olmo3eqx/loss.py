@@ -107,11 +107,7 @@ def rows_per_device(batch: int) -> bool:
     more than one device, with no tensor axis (a tensor split shards the logits' vocabulary: the old path)."""
     from olmo3eqx import precision
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not precision.compute_mode() or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names):
-        return False
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    return mesh.shape["tensor"] == 1 and shards > 1 and batch % shards == 0
+    return precision.compute_mode() and precision.rows_split(batch)
 
 
 def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool, gather: bool) -> tuple[Array, ...]:

@@ -174,14 +174,19 @@ def fsdp_dim(spec: P) -> int | None:
     return next((i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)), None)
 
 
-def hierarchical_ok(spec: P, rows: int) -> bool:
-    """Whether `hierarchical` applies: a mesh of data x fsdp in context with no tensor split and batch axes that
-    divide `rows`, `spec` naming no axis but fsdp."""
+def rows_split(rows: int) -> bool:
+    """Whether the mesh in context splits `rows` over its batch axes (data x fsdp, more than one device) with no
+    tensor split: then each device's rows can be worked on the device (`hierarchical`, loss.per_device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1:
         return False
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    return rows % shards == 0 and all(e in (None, "fsdp") for e in spec)
+    return shards > 1 and rows % shards == 0
+
+
+def hierarchical_ok(spec: P, rows: int) -> bool:
+    """Whether `hierarchical` applies: `rows_split(rows)`, and `spec` naming no axis but fsdp."""
+    return rows_split(rows) and all(e in (None, "fsdp") for e in spec)
 
 
 def hierarchical(partial, spec: P, *args: Array) -> Array:
