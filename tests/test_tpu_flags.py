@@ -82,7 +82,6 @@ def test_flags_jax_set_on_a_tpu_vm_are_not_the_users():
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the `tpu` extra)")
 @pytest.mark.tpu
-@pytest.mark.tpu_small
 def test_the_dry_run_for_a_v5p_topology_on_a_tpu_vm_compiles_with_the_preset():
     """`train.py --dry-run --target v5p:2x2x1` where jax's Cloud TPU setup ran: the step compiles (libtpu checks
     the flags first) with the v5p preset, and the plan says so beside jax's own flag."""
