@@ -51,6 +51,9 @@ def test_tpu_flags_by_chip_and_setting():
     assert jaxenv.tpu_flags("none", "TPU7x", {}) == {}
     assert jaxenv.tpu_flags("--xla_a=1 --xla_b=x", "TPU v5", {}) == {"xla_a": "1", "xla_b": "x"}
     assert jaxenv.tpu_flags("auto", "TPU7x", {"LIBTPU_INIT_ARGS": "--xla_x=1"}) == {}  # the user's flags instead
+    jaxs = {"LIBTPU_INIT_ARGS": " " + " ".join(jaxenv.JAX_LIBTPU_FLAGS)}  # what `import jax` adds on a TPU VM
+    assert jaxenv.tpu_flags("auto", "TPU v5", jaxs) == jaxenv.tpu_flags("auto", "TPU v5", {}) != {}
+    assert jaxenv.tpu_flags("--xla_a=1", "TPU v5", {"LIBTPU_INIT_ARGS": "--xla_x=1"}) == {"xla_a": "1"}
     with pytest.raises(ConfigError, match=r"mesh.tpu_flags must be .*'xla_a=1' is not --name=value"):
         MeshConfig(tpu_flags="xla_a=1")
 

@@ -25,7 +25,7 @@ import yaml
 from jax._src import clusters
 from jax._src.clusters import cloud_tpu_cluster
 
-from olmo3eqx import distributed
+from olmo3eqx import distributed, jaxenv
 from olmo3eqx.config import DistConfig
 from olmo3eqx.distributed import Launch
 from olmo3eqx.errors import ConfigError
@@ -42,11 +42,13 @@ def clean_env() -> dict:
 
 
 @pytest.fixture
-def env(monkeypatch):
-    """This process's environment without any launcher's variables; returns a setter for a launcher's."""
+def env(monkeypatch, tmp_path):
+    """This process's environment without any launcher's variables, on a node whose NVIDIA device files are those
+    the test puts in `tmp_path` (none unless it does: `gpu_files`); returns a setter for a launcher's variables."""
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     monkeypatch.setenv("no_proxy", "127.0.0.1")
     monkeypatch.setattr(distributed, "launched", Launch())
+    monkeypatch.setattr(jaxenv, "NVIDIA_NODES", str(tmp_path / "nvidia[0-9]*"))
 
     def set_vars(clear=False, **values):
         """Set a launcher's variables (`clear`: first remove those an earlier call set)."""
@@ -233,18 +235,31 @@ def test_a_launch_that_cannot_use_every_gpu_once_is_refused(env, calls, values, 
     assert calls == []
 
 
-SLURM_16 = Launch("SLURM", 16, 5, "gpu001:61586", tuple(range(8)), 128, "SLURM_GPUS_ON_NODE=8 x 16 nodes")
+SLURM_16 = Launch("SLURM", 16, 5, "gpu001:61586", tuple(range(8)), node_tasks=1, node_gpus=8,
+                  gpus_by="SLURM_GPUS_ON_NODE=8")
+OMPI_16x8 = Launch("Open MPI", 128, 9, "10.10.0.1:64640", (1,), node_tasks=8, node_gpus=8,
+                   gpus_by="SLURM_GPUS_ON_NODE=8")
 
 
-@pytest.mark.parametrize("counts,problem", [
-    ((16, 8, 128, "gpu"), None),
-    ((16, 1, 16, "gpu"), "The run has 16 GPUs but the launcher (SLURM) announced 128 (SLURM_GPUS_ON_NODE=8 x 16"),
-    ((16, 8, 121, "gpu"), "This process drives 8 devices but the run has 121 over 16 processes, not 128"),
-    ((1, 8, 8, "gpu"), "The launcher (SLURM) started 16 processes but JAX counts 1"),
-    ((16, 2, 32, "cpu"), None),  # a CPU run inside a GPU allocation: SLURM's GPU count says nothing of it
+@pytest.mark.parametrize("launch,counts,problem", [
+    (SLURM_16, (16, 8, 128, "gpu"), None),
+    (SLURM_16, (16, 1, 16, "gpu"), "This node has 8 GPUs (SLURM_GPUS_ON_NODE=8) but its process drives 1 (SLURM); "
+                                   "launch one task per node or one per GPU"),
+    (SLURM_16, (16, 8, 121, "gpu"), "This process drives 8 devices but the run has 121 over 16 processes, not 128"),
+    (SLURM_16, (1, 8, 8, "gpu"), "The launcher (SLURM) started 16 processes but JAX counts 1"),
+    (SLURM_16, (16, 2, 32, "cpu"), None),  # a CPU run inside a GPU allocation: SLURM's GPU count says nothing of it
+    (OMPI_16x8, (128, 1, 128, "gpu"), None),
+    # mpirun's 8 ranks per node each driving the node's 8 GPUs (the SLURM_* of Open MPI's daemon's step read first)
+    (OMPI_16x8, (128, 8, 1024, "gpu"), "This node has 8 GPUs (SLURM_GPUS_ON_NODE=8) but its 8 processes drive 8 each "
+                                       "(Open MPI)"),
+    (Launch("Open MPI", 4, 1, "node001:61234", (1,), node_tasks=4, node_gpus=8, gpus_by="its 8 device files"),
+     (4, 1, 4, "gpu"), "This node has 8 GPUs (its 8 device files) but its 4 processes drive 1 each (Open MPI)"),
+    (Launch("SLURM allocation", node_tasks=1, node_gpus=8, gpus_by="SLURM_GPUS_ON_NODE=8"), (1, 1, 1, "gpu"),
+     "This node has 8 GPUs (SLURM_GPUS_ON_NODE=8) but its process drives 1 (SLURM allocation)"),
+    (Launch("explicit coordinator address", 2, 1, "10.0.0.1:1234"), (2, 3, 6, "gpu"), None),  # nothing counts its node
 ])
-def test_the_device_count_is_checked_against_the_launcher(counts, problem):
-    got = distributed.device_mismatch(SLURM_16, *counts)
+def test_the_device_count_is_checked_against_the_launcher(launch, counts, problem):
+    got = distributed.device_mismatch(launch, *counts)
     assert got == problem if problem is None else got.startswith(problem)
 
 
@@ -335,7 +350,8 @@ def test_the_sbatch_recipes_use_every_gpu_once(env, calls):
         assert payload[:2] == ["python", "train.py"]
         nodes, tasks, gpus = (int(opts[k]) for k in ("nodes", "ntasks-per-node", "gpus-per-node"))
         every_gpu_once(env, lambda n, t: slurm_task_env(opts, n, t), nodes, tasks, gpus)
-        assert distributed.announced() == (nodes * gpus, f"SLURM_GPUS_ON_NODE={gpus} x {nodes} nodes")
+        launch = distributed.detect(DistConfig())
+        assert (launch.node_tasks, launch.node_gpus, launch.gpus_by) == (tasks, gpus, f"SLURM_GPUS_ON_NODE={gpus}")
     assert calls == []
 
 
@@ -397,6 +413,136 @@ def test_the_explicit_recipe_gives_each_process_its_id(env, calls):
         launch = distributed.detect(DistConfig())
         assert (launch.launcher, launch.num_processes, launch.process_id, launch.coordinator_address,
                 launch.local_device_ids) == (distributed.EXPLICIT, 2, i, "127.0.0.1:12345", None)
+
+
+# --- mpirun and plain processes inside an sbatch allocation; ranks sharing a node's GPUs ------------------------
+
+def hosts(first: int, last: int) -> str:
+    return f"gpu[{first:03d}-{last:03d}]" if last > first else f"gpu{first:03d}"
+
+
+def batch_script(nodes: int, tasks_per_node: int, gpus: int) -> dict:
+    """What the script of `sbatch --nodes N --ntasks-per-node T --gpus-per-node G` sees on the first node of its
+    allocation, as Slurm builds it: sbatch's options (SLURM_NTASKS_PER_NODE, SLURM_GPUS_PER_NODE), the controller's
+    (SLURM_TASKS_PER_NODE: job_scheduler.c), the batch job's (env_array_for_batch_job: SLURM_JOB_ID,
+    SLURM_JOB_NUM_NODES, SLURM_NNODES, SLURM_JOB_NODELIST, SLURM_NTASKS), the batch step's one task's (setup_env:
+    SLURM_NODEID, SLURM_PROCID and SLURM_LOCALID all 0) and its node's GPUs (gres_common.c: SLURM_GPUS_ON_NODE,
+    SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES). No SLURM_STEP_NODELIST or SLURM_STEP_NUM_NODES: only srun's steps get
+    them (env_array_for_step)."""
+    gpu_list = ",".join(map(str, range(gpus)))
+    return dict(SLURM_JOB_ID=4242, SLURM_JOBID=4242, SLURM_JOB_NAME="olmo3-7b", SLURM_JOB_NUM_NODES=nodes,
+                SLURM_NNODES=nodes, SLURM_JOB_NODELIST=hosts(1, nodes), SLURM_NODELIST=hosts(1, nodes),
+                SLURM_JOB_CPUS_PER_NODE=f"96(x{nodes})", SLURM_NTASKS=nodes * tasks_per_node,
+                SLURM_NPROCS=nodes * tasks_per_node, SLURM_NTASKS_PER_NODE=tasks_per_node,
+                SLURM_TASKS_PER_NODE=f"{tasks_per_node}(x{nodes})", SLURM_GPUS_PER_NODE=gpus, SLURM_CPUS_ON_NODE=96,
+                SLURM_NODEID=0, SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_TASK_PID=5151, SLURMD_NODENAME="gpu001",
+                ENVIRONMENT="BATCH", SLURM_GPUS_ON_NODE=gpus, SLURM_JOB_GPUS=gpu_list, CUDA_VISIBLE_DEVICES=gpu_list)
+
+
+def daemon_task(batch: dict, node: int) -> dict:
+    """The environment of Open MPI's daemon on node `node` (> 0) of the batch script's allocation: mpirun starts one
+    on each other node with `srun --ntasks-per-node=1 --kill-on-bad-exit --mpi=none --nodes=N-1 --nodelist=...
+    --ntasks=N-1` (plm_slurm of Open MPI 4's ORTE and of 5's PRRTE), a step with the batch script's environment
+    and its own variables over it (env_array_for_step, setup_env) and, as a step has by default, the job's GPUs on
+    its node."""
+    others = int(batch["SLURM_JOB_NUM_NODES"]) - 1
+    gpu_list = batch["SLURM_JOB_GPUS"]
+    return {**batch, **dict(
+        SLURM_STEP_ID=0, SLURM_STEPID=0, SLURM_STEP_NODELIST=hosts(2, others + 1), SLURM_STEP_NUM_NODES=others,
+        SLURM_STEP_NUM_TASKS=others, SLURM_STEP_TASKS_PER_NODE=f"1(x{others})", SLURM_NNODES=others,
+        SLURM_NTASKS=others, SLURM_NPROCS=others, SLURM_NTASKS_PER_NODE=1, SLURM_TASKS_PER_NODE=f"1(x{others})",
+        SLURM_NODELIST=hosts(2, others + 1), SLURM_NODEID=node - 1, SLURM_PROCID=node - 1, SLURM_LOCALID=0,
+        SLURM_CPU_BIND="quiet,none", SLURMD_NODENAME=f"gpu{node + 1:03d}", SLURM_STEP_GPUS=gpu_list,
+        CUDA_VISIBLE_DEVICES=gpu_list)}
+
+
+def ompi_rank(version: int, nodes: int, per_node: int, node: int, local: int, coordinator: str | None) -> dict:
+    """Open MPI's variables of rank `local` on node `node` of `mpirun --npernode per_node` over `nodes` nodes: Open
+    MPI 4's OMPI_MCA_orte_hnp_uri names mpirun's host; Open MPI 5 has none (`coordinator`: what -x
+    JAX_COORDINATOR_ADDRESS exports)."""
+    rank = node * per_node + local
+    ompi = dict(OMPI_COMM_WORLD_SIZE=nodes * per_node, OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_LOCAL_RANK=local,
+                OMPI_COMM_WORLD_LOCAL_SIZE=per_node, OMPI_COMM_WORLD_NODE_RANK=local,
+                OMPI_UNIVERSE_SIZE=nodes * per_node)
+    if version == 4:
+        ompi["OMPI_MCA_orte_hnp_uri"] = "2781347840.0;tcp://10.10.0.1,172.17.0.1:39113"
+    else:
+        ompi.update(PMIX_RANK=rank, PMIX_NAMESPACE="prterun-gpu001-51517@1")
+    return {**ompi, **({"JAX_COORDINATOR_ADDRESS": coordinator} if coordinator else {})}
+
+
+def mpirun_in_sbatch(version: int, nodes: int, per_node: int, gpus: int, node: int, local: int,
+                     coordinator: str | None = None) -> dict:
+    """A rank of `mpirun --npernode per_node python train.py` run by the batch script of a `--nodes nodes
+    --ntasks-per-node per_node --gpus-per-node gpus` allocation: on the script's node mpirun starts it with its own
+    environment (the batch step's), elsewhere the node's daemon with the daemon's (its launch environment under
+    the application's, schizo_ompi.c); Open MPI's variables over either."""
+    batch = batch_script(nodes, per_node, gpus)
+    inherited = batch if node == 0 else daemon_task(batch, node)
+    return {**inherited, **ompi_rank(version, nodes, per_node, node, local, coordinator)}
+
+
+def gpu_files(directory: Path, count: int) -> None:
+    """A node's NVIDIA device files: one per GPU, and the control and UVM files that are none."""
+    for name in [f"nvidia{i}" for i in range(count)] + ["nvidiactl", "nvidia-uvm"]:
+        (directory / name).touch()
+
+
+@pytest.mark.parametrize("version,per_node", [(4, 8), (4, 1), (5, 8), (5, 1)])
+def test_mpirun_inside_an_sbatch_allocation_uses_every_gpu_once(env, calls, version, per_node):
+    """Open MPI's variables, not the SLURM_* its ranks inherit from the batch step (SLURM_LOCALID 0 for every rank of
+    the script's node) or from the srun step of Open MPI's daemon (one task per node), say which process a rank is
+    and which GPUs it drives; JAX is told Open MPI's process count and id."""
+    coordinator = "gpu001:61234" if version == 5 else None
+    every_gpu_once(env, lambda n, t: mpirun_in_sbatch(version, 16, per_node, 8, n, t, coordinator), 16, per_node, 8)
+    launch = distributed.initialize(DistConfig())  # the last rank of the last node
+    assert (launch.num_processes, launch.process_id) == (16 * per_node, 16 * per_node - 1)
+    assert launch.coordinator_address == (coordinator or "10.10.0.1:64640")  # Open MPI 4: JAX's port for the job
+    assert (launch.node_tasks, launch.node_gpus) == (per_node, 8)
+    assert calls[0]["num_processes"] == 16 * per_node
+
+
+def test_open_mpi_5_without_a_coordinator_is_refused_on_every_node(env, calls):
+    """Its ranks on the daemons' nodes see the daemons' srun step (SLURM_STEP_NODELIST, 15 tasks), which JAX's own
+    detection would take for a SLURM step of 15 processes; they are refused as the script's node's ranks are."""
+    for node in (0, 15):
+        env(clear=True, **mpirun_in_sbatch(5, 16, 8, 8, node, 3))
+        with pytest.raises(ConfigError, match=r"Open MPI started 128 processes .* -x JAX_COORDINATOR_ADDRESS"):
+            distributed.initialize(DistConfig())
+    assert calls == []
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_ranks_on_a_node_without_cuda_visible_devices_share_its_gpus(env, calls, tmp_path, version):
+    """`mpirun -np 4` on a host of 8 GPUs that no variable counts: the device files do, two GPUs per rank; three
+    ranks cannot share them evenly and are refused."""
+    gpu_files(tmp_path, 8)
+    every_gpu_once(env, lambda n, t: ompi_rank(version, 1, 4, n, t, "node001:61234"), 1, 4, 8)
+    launch = distributed.initialize(DistConfig())  # the last rank
+    assert (launch.node_tasks, launch.node_gpus, calls[0]["local_device_ids"]) == (4, 8, [6, 7])
+    env(clear=True, **ompi_rank(version, 1, 3, 0, 1, "node001:61234"))
+    with pytest.raises(ConfigError, match="The 8 GPUs of this node cannot be split evenly among its 3 tasks"):
+        distributed.initialize(DistConfig())
+
+
+def test_a_process_the_batch_script_starts_without_srun(env, calls):
+    """`python train.py` in the script of a 16-node allocation would train alone on the first node: refused, naming
+    srun; in a one-node allocation it is the node's one process and drives its GPUs."""
+    env(**batch_script(16, 1, 8))
+    with pytest.raises(ConfigError, match=r"^This process runs in the batch script of a 16-node SLURM allocation.*srun"):
+        distributed.initialize(DistConfig())
+    env(clear=True, **batch_script(1, 8, 8))
+    launch = distributed.initialize(DistConfig())
+    assert (launch.num_processes, launch.local_device_ids, launch.node_tasks, launch.node_gpus) == (1, None, 1, 8)
+    assert calls == []
+
+
+def test_the_batch_scripts_refusal_is_one_sentence_and_exit_2():
+    e = clean_env()
+    e.update({k: str(v) for k, v in batch_script(16, 1, 8).items()}, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=e, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "16-node SLURM allocation" in done.stderr and "srun" in done.stderr
 
 
 # --- two processes under a simulated SLURM step -------------------------------------------------------------

@@ -380,8 +380,8 @@ class MeshConfig:
     tpu_flags: str = "auto"
     """XLA:TPU flags the train step compiles with on TPUs (and for a --target topology): "auto" (the chip's recipe
     flags, olmo3eqx.jaxenv.TPU_XLA_FLAGS: SparseCore collective offload on Ironwood, continuation fusion on v5p),
-    "none", or your own as "--xla_name=value ...". Not applied when LIBTPU_INIT_ARGS is set; a flag libtpu does not
-    know is refused before the run starts."""
+    "none", or your own as "--xla_name=value ...". The preset is not added when you set LIBTPU_INIT_ARGS (the flag
+    jax itself adds there on a TPU VM does not count); a flag libtpu does not know is refused before the run starts."""
     gather_dtype: Literal["compute", "xla"] = "compute"
     """The dtypes weights and gradients cross the mesh in: "compute" (as OLMo-core's FSDP2 MixedPrecisionPolicy: each
     weight cast to model.compute_dtype while still sharded and all-gathered over fsdp in it, each weight gradient

@@ -3,18 +3,28 @@ and a refusal when the devices the run got are not the ones the launcher announc
 a device.
 
 Which launcher: explicit `dist.*` flags or JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID, or Open
-MPI's OMPI_COMM_WORLD_SIZE/RANK); else the first cluster JAX's own detection finds (jax._src.clusters, in JAX's
-order: Open MPI through mpirun's OMPI_MCA_orte_hnp_uri, a SLURM step, a gcloud TPU VM through the metadata
-server, a GKE TPU pod, an indexed Kubernetes Job); else one process. A cluster of one process runs as one process (no
-coordination service, no port taken). Off a TPU VM JAX's TPU detection asks no metadata server (it looks first at
-whether libtpu found TPU chips), so on a laptop or a CI runner deciding costs a few environment look-ups.
+MPI's OMPI_COMM_WORLD_SIZE/RANK); else Open MPI when mpirun started the process (OMPI_COMM_WORLD_*: its coordinator
+at mpirun's host through Open MPI 4's OMPI_MCA_orte_hnp_uri; Open MPI 5 names none, refused unless
+JAX_COORDINATOR_ADDRESS does). mpirun's ranks inside a SLURM allocation inherit the SLURM_* of the batch script or of
+the srun step that started Open MPI's daemon; those describe other tasks, so Open MPI's variables win. Else the first
+cluster JAX's own detection finds (jax._src.clusters, in JAX's order: a SLURM step, a gcloud TPU VM through the
+metadata server, a GKE TPU pod, an indexed Kubernetes Job); else one process, refused when it runs outside any
+srun step of a SLURM allocation of several nodes (a batch script's `python train.py` would train on the first node
+alone). A cluster of one process runs as one process (no coordination service, no port taken). Off a TPU VM JAX's
+TPU detection asks no metadata server (it looks first at whether libtpu found TPU chips), so on a laptop or a CI
+runner deciding costs a few environment look-ups.
 
 Which devices: JAX's detection gives each SLURM or Open MPI process one GPU (`[local rank]`), right for one task
 per GPU and wrong for one task per node, where a process would drive one of its node's 8 GPUs. Here the GPUs a
-process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NODE) are split evenly among the
-tasks of its node; a process bound to its own GPUs (it sees fewer than SLURM_GPUS_ON_NODE, or, where nothing
-counts the node's GPUs, fewer than its node has tasks) drives every one it sees. A TPU host drives all its chips
-(JAX's rule); JAX_LOCAL_DEVICE_IDS overrides. CPU collectives between processes use gloo (JAX's default).
+process sees (CUDA_VISIBLE_DEVICES, else SLURM_STEP_GPUS, else SLURM_GPUS_ON_NODE, else the node's NVIDIA device
+files) are split evenly among the tasks of its node; a process bound to its own GPUs (it sees fewer than
+SLURM_GPUS_ON_NODE, or, where nothing counts the node's, fewer than its node has tasks) drives every one it sees. A
+TPU host drives all its chips (JAX's rule); JAX_LOCAL_DEVICE_IDS overrides. CPU collectives between processes use
+gloo (JAX's default).
+
+Which count: once JAX started, the GPUs a node's tasks drive together must be the node's as the launcher or the
+node says (SLURM_GPUS_ON_NODE, else, where CUDA_VISIBLE_DEVICES does not narrow them, its device files): a wrong
+count is refused in one sentence (`check_devices`).
 
 Which node: once joined, each process publishes its node's name (OLMO3EQX_NODE_NAME, else its host name) through
 JAX's coordination key-value store and reads every other's, so the mesh (olmo3eqx.sharding.granule_ids) can keep
@@ -23,11 +33,13 @@ fsdp and tensor within a node of GPUs.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import socket
 from dataclasses import dataclass
 
+from olmo3eqx import jaxenv
 from olmo3eqx.config import DistConfig
 from olmo3eqx.errors import ConfigError
 
@@ -48,10 +60,12 @@ class Launch:
     coordinator_address: str | None = None
     local_device_ids: tuple[int, ...] | None = None
     """The GPUs (ordinals among those the process sees) it drives; None: every device it sees."""
-    announced_devices: int | None = None
-    """The run's accelerator count as the launcher announced it (SLURM: SLURM_GPUS_ON_NODE x the step's nodes)."""
-    announced_by: str = ""
-    """Where `announced_devices` comes from, for the refusal's sentence."""
+    node_tasks: int | None = None
+    """The processes the launcher started on this process's node; None where it does not say."""
+    node_gpus: int | None = None
+    """The GPUs of this node the run is to use, as the launcher or the node says (node_gpus); None: nothing says."""
+    gpus_by: str = ""
+    """Where `node_gpus` comes from, for the refusal's sentence."""
 
 
 launched = Launch()
@@ -89,21 +103,40 @@ def ints(value: str | None) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def device_files() -> int:
+    """This node's NVIDIA GPUs by their device files (jaxenv.NVIDIA_NODES): what CUDA finds where no variable
+    narrows it."""
+    return len(glob.glob(jaxenv.NVIDIA_NODES))
+
+
 def visible_gpus() -> int | None:
-    """How many GPUs this process sees, as the launcher says (None: nothing says)."""
+    """How many GPUs this process sees, as the launcher or the node says (None: nothing says)."""
     for var in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS"):
         value = os.environ.get(var)
         if value is not None:
             return 0 if value.strip() in ("", "NoDevFiles") else len([v for v in value.split(",") if v.strip()])
-    return ints(os.environ.get("SLURM_GPUS_ON_NODE"))
+    on_node = ints(os.environ.get("SLURM_GPUS_ON_NODE"))
+    return on_node if on_node is not None else device_files() or None
+
+
+def node_gpus() -> tuple[int | None, str]:
+    """(the GPUs of this node the run is to use, where that comes from): SLURM_GPUS_ON_NODE (a SLURM step's GPUs on
+    the node; for mpirun's ranks, those of the batch step or the daemon's step: the job's), else, where
+    CUDA_VISIBLE_DEVICES does not narrow what CUDA finds, the node's device files; (None, "") where only the user's
+    CUDA_VISIBLE_DEVICES says or nothing does."""
+    on_node = ints(os.environ.get("SLURM_GPUS_ON_NODE"))
+    if on_node is not None:
+        return on_node, f"SLURM_GPUS_ON_NODE={on_node}"
+    files = device_files() if "CUDA_VISIBLE_DEVICES" not in os.environ else 0
+    return (files, f"its {files} device files {jaxenv.NVIDIA_NODES}") if files else (None, "")
 
 
 def slurm_tasks_here() -> int | None:
     """The tasks of this SLURM step on this node, from SLURM_STEP_TASKS_PER_NODE ('2(x3),1': two tasks on each
     of the first three nodes, one on the fourth) and SLURM_NODEID."""
-    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE")
     if not spec:
-        return ints(os.environ.get("SLURM_NTASKS_PER_NODE"))
+        return None
     per_node = []
     for part in spec.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
@@ -114,13 +147,24 @@ def slurm_tasks_here() -> int | None:
     return per_node[node] if node < len(per_node) else None
 
 
+def open_mpi() -> bool:
+    """Whether mpirun started this process (its ranks carry OMPI_COMM_WORLD_*, whatever SLURM_* they inherit)."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ
+
+
+def slurm_step() -> bool:
+    """Whether srun started this process as a task of a SLURM step (a batch script or salloc's shell has no
+    SLURM_STEP_NODELIST; JAX's SLURM detection needs it too)."""
+    return "SLURM_STEP_NODELIST" in os.environ and "SLURM_LOCALID" in os.environ
+
+
 def node_tasks() -> tuple[int | None, int] | None:
-    """(tasks on this node, this task's rank among them) from SLURM's or Open MPI's variables; None when neither
-    launched this process."""
-    if "SLURM_LOCALID" in os.environ and "SLURM_NTASKS" in os.environ:
-        return slurm_tasks_here(), int(os.environ["SLURM_LOCALID"])
-    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+    """(tasks on this node, this task's rank among them) from the launcher that started this process: Open MPI's
+    variables for mpirun's ranks, a SLURM step's for srun's tasks; None when neither started it."""
+    if open_mpi() and "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
         return ints(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")), int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    if not open_mpi() and slurm_step():
+        return slurm_tasks_here(), int(os.environ["SLURM_LOCALID"])
     return None
 
 
@@ -156,12 +200,21 @@ def local_devices() -> tuple[int, ...] | None:
     return gpu_share(*tasks, visible_gpus(), ints(os.environ.get("SLURM_GPUS_ON_NODE")))
 
 
-def announced() -> tuple[int | None, str]:
-    """The run's GPU count as SLURM announced it: SLURM_GPUS_ON_NODE x the step's nodes."""
-    per_node, nodes = (ints(os.environ.get(v)) for v in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_NUM_NODES"))
-    if per_node is None or nodes is None or "SLURM_NTASKS" not in os.environ:
-        return None, ""
-    return per_node * nodes, f"SLURM_GPUS_ON_NODE={per_node} x {nodes} nodes"
+def node_view() -> dict:
+    """Launch's fields on this node: the devices this process drives, and the tasks and GPUs its node has as the
+    launcher says (an unknown count of tasks leaves the GPUs unchecked)."""
+    tasks = node_tasks()
+    here = tasks[0] if tasks is not None else None
+    gpus, by = node_gpus() if here is not None else (None, "")
+    return dict(local_device_ids=local_devices(), node_tasks=here, node_gpus=gpus, gpus_by=by)
+
+
+def allocation_nodes() -> int | None:
+    """The nodes of the SLURM allocation this process runs in outside any srun step (a batch script, salloc's
+    shell), None inside a step or outside SLURM."""
+    if "SLURM_JOB_ID" not in os.environ or slurm_step():
+        return None
+    return ints(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES"))
 
 
 def cluster():
@@ -182,8 +235,6 @@ def cluster():
 def detect(cfg: DistConfig) -> Launch:
     """What `jax.distributed.initialize` is to receive, from the config, the environment or JAX's cluster
     detection; touches no device."""
-    ids = local_devices()
-    total, by = announced()
     address = cfg.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if address:
         num = cfg.num_processes if cfg.num_processes is not None else (
@@ -194,21 +245,34 @@ def detect(cfg: DistConfig) -> Launch:
             raise ConfigError("A coordinator address is set but the process count or id is not; set "
                               "JAX_NUM_PROCESSES and JAX_PROCESS_ID (or --dist.num-processes/--dist.process-id) "
                               "for every process.")
-        return Launch(EXPLICIT, int(num), int(pid), address, ids, total, by)
-    env = cluster()
-    if env is None:
-        if (ints(os.environ.get("OMPI_COMM_WORLD_SIZE")) or 1) > 1:
+        return Launch(EXPLICIT, int(num), int(pid), address, **node_view())
+    if open_mpi():
+        from jax._src import clusters
+
+        env = clusters.OmpiCluster if clusters.OmpiCluster.is_env_present() else None
+        if env is None and int(os.environ["OMPI_COMM_WORLD_SIZE"]) > 1:
             raise ConfigError(f"Open MPI started {os.environ['OMPI_COMM_WORLD_SIZE']} processes but says nothing "
                               "JAX can find their coordinator by (Open MPI 5 sets no OMPI_MCA_orte_hnp_uri); pass "
                               "-x JAX_COORDINATOR_ADDRESS=<first host>:<port> to mpirun.")
+    else:
+        env = cluster()
+    if env is None:
+        nodes = allocation_nodes()
+        if nodes is not None and nodes > 1:
+            raise ConfigError(f"This process runs in the batch script of a {nodes}-node SLURM allocation, outside "
+                              "any srun step, and would train alone on its first node; start it with srun (srun "
+                              "python train.py ...) so that every node trains.")
+        if nodes is not None:  # a one-node allocation's script: the node's one process
+            gpus, by = node_gpus()
+            return Launch("SLURM allocation", node_tasks=1, node_gpus=gpus, gpus_by=by)
         return Launch()
     name = LAUNCHERS.get(env.__name__, env.__name__)
     num = env.get_process_count()
     if num == 1:
-        return Launch(name, local_device_ids=ids, announced_devices=total, announced_by=by)
+        return Launch(name, **node_view())
     address = env.get_coordinator_address(timeout_secs=cfg.initialization_timeout,
                                           override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
-    return Launch(name, num, env.get_process_id(), address, ids, total, by)
+    return Launch(name, num, env.get_process_id(), address, **node_view())
 
 
 def initialize(cfg: DistConfig) -> Launch:
@@ -239,10 +303,11 @@ def device_mismatch(launch: Launch, processes: int, local: int, total: int, plat
     if total != processes * local:
         return (f"This process drives {local} devices but the run has {total} over {processes} processes, not "
                 f"{processes * local}: each process must drive as many devices as every other.")
-    if launch.announced_devices is not None and platform == "gpu" and total != launch.announced_devices:
-        return (f"The run has {total} GPUs but the launcher ({launch.launcher}) announced "
-                f"{launch.announced_devices} ({launch.announced_by}); launch one task per node or one per GPU so "
-                "every GPU is used once.")
+    tasks, gpus = launch.node_tasks, launch.node_gpus
+    if tasks is not None and gpus is not None and platform == "gpu" and tasks * local != gpus:
+        driven = f"its process drives {local}" if tasks == 1 else f"its {tasks} processes drive {local} each"
+        return (f"This node has {gpus} GPUs ({launch.gpus_by}) but {driven} ({launch.launcher}); launch one task per "
+                "node or one per GPU so that every GPU is used once.")
     return None
 
 

@@ -65,8 +65,14 @@ V5P_XLA_FLAGS = (
 combine them: the VMEM limit, continuation fusion for all-gathers, data-parallel overlap."""
 TPU_XLA_FLAGS = (("tpu7", IRONWOOD_XLA_FLAGS), ("tpu v5 lite", ()), ("tpu v5", V5P_XLA_FLAGS))
 """mesh.tpu_flags "auto": the flags by substring of the lower-cased device kind (first match wins; v5e, v6e and v4
-get none). The train step compiles with them as compiler options (olmo3eqx.step), unless LIBTPU_INIT_ARGS is set:
+get none). The train step compiles with them as compiler options (olmo3eqx.step), unless the user set LIBTPU_INIT_ARGS:
 then libtpu's own flags are the user's, and ours are not added."""
+JAX_LIBTPU_FLAGS = ("--xla_tpu_use_enhanced_launch_barrier=true",)
+"""What `import jax` appends to LIBTPU_INIT_ARGS on a Cloud TPU VM (jax/_src/cloud_tpu_init.py): jax's flags, not the
+user's. Told apart by value rather than by a snapshot taken before jax starts, so that every caller (the trainer, the
+cost model, a benchmark or a notebook that imported jax first) decides alike; tests/test_tpu_flags.py runs jax's own
+setup to keep this list true. A user's own `--xla_tpu_use_enhanced_launch_barrier=true` counts as jax's (the same
+flag at the same value)."""
 
 
 SPEAKING_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
@@ -106,16 +112,45 @@ def parse_tpu_flags(text: str) -> dict[str, str]:
     return flags
 
 
-def tpu_flags(setting: str, device_kind: str, env: MutableMapping[str, str]) -> dict[str, str]:
-    """The XLA:TPU flags the train step compiles with for mesh.tpu_flags `setting` ("auto", "none" or flags) on
-    devices of `device_kind`: none off TPUs and when the user set LIBTPU_INIT_ARGS (see TPU_XLA_FLAGS)."""
-    if setting == "none" or env.get("LIBTPU_INIT_ARGS", "").strip() or "tpu" not in device_kind.lower():
-        return {}
+def libtpu_args(env: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """LIBTPU_INIT_ARGS as (the user's flags, those jax's Cloud TPU setup added: JAX_LIBTPU_FLAGS)."""
+    tokens = env.get("LIBTPU_INIT_ARGS", "").split()
+    return [t for t in tokens if t not in JAX_LIBTPU_FLAGS], [t for t in tokens if t in JAX_LIBTPU_FLAGS]
+
+
+def step_tpu_flags(setting: str, device_kind: str, env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """(the XLA:TPU flags the train step compiles with for mesh.tpu_flags `setting` on TPUs of `device_kind`, where
+    they come from): the chip's preset for "auto" unless the user set LIBTPU_INIT_ARGS, the user's own flags always,
+    none for "none"."""
+    if setting == "none":
+        return {}, "mesh.tpu_flags none"
     if setting != "auto":
-        return parse_tpu_flags(setting)
-    kind = device_kind.lower()
-    flags = next((f for key, f in TPU_XLA_FLAGS if key in kind), ())
-    return parse_tpu_flags(" ".join(flags))
+        return parse_tpu_flags(setting), "--mesh.tpu-flags"
+    if libtpu_args(env)[0]:
+        return {}, f"your LIBTPU_INIT_ARGS replaces the {device_kind} preset; --mesh.tpu-flags adds to it"
+    flags = next((f for key, f in TPU_XLA_FLAGS if key in device_kind.lower()), ())
+    if not flags:
+        return {}, f"the {device_kind} preset has none"
+    return parse_tpu_flags(" ".join(flags)), f"the {device_kind} preset, mesh.tpu_flags auto"
+
+
+def tpu_flags(setting: str, device_kind: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The XLA:TPU flags the train step compiles with for mesh.tpu_flags `setting` ("auto", "none" or flags) on
+    devices of `device_kind`: none off TPUs (step_tpu_flags says which on TPUs)."""
+    return step_tpu_flags(setting, device_kind, env)[0] if "tpu" in device_kind.lower() else {}
+
+
+def describe_tpu_flags(setting: str, device_kind: str, env: Mapping[str, str]) -> str | None:
+    """The startup line on the XLA:TPU flags: those the train step compiles with and those libtpu starts with
+    (LIBTPU_INIT_ARGS), each with its source; None off TPUs."""
+    if "tpu" not in device_kind.lower():
+        return None
+    flags, source = step_tpu_flags(setting, device_kind, env)
+    compiled = " ".join(f"--{name}={value}" for name, value in flags.items()) if flags else "no added flags"
+    line = f"the train step compiles with {compiled} ({source})"
+    users, jaxs = libtpu_args(env)
+    started = [f"{' '.join(users)} (yours)"] * bool(users) + [f"{' '.join(jaxs)} (set by jax)"] * bool(jaxs)
+    return line + (f"; libtpu starts with LIBTPU_INIT_ARGS {', '.join(started)}" if started else "")
 
 
 def nvidia_gpu_host(env: MutableMapping[str, str]) -> bool:

@@ -129,7 +129,7 @@ def dry_run(cfg, target: str | None = None) -> None:
     import jax
     import yaml
 
-    from olmo3eqx import aot, flops
+    from olmo3eqx import aot, flops, jaxenv
     from olmo3eqx.config import chip_remat, for_chip, to_dict
     from olmo3eqx.errors import ConfigError
     from olmo3eqx.sharding import build_layout
@@ -168,6 +168,9 @@ def dry_run(cfg, target: str | None = None) -> None:
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
     print(f"remat:                 {remat}" + (f" (model.remat_by_chip: {chip})" if chip else ""))
     print(f"attention:             {attention_backend(cfg, layout, gpu)}")
+    tpu_flags = jaxenv.describe_tpu_flags(cfg.mesh.tpu_flags, kind, os.environ)
+    if tpu_flags:
+        print(f"XLA:TPU flags:         {tpu_flags}")
     if gpu is not None:
         nodes = (f"{gpu.nodes} nodes of {gpu.per_node}, data across nodes and fsdp/tensor within "
                  f"(mesh.node_devices={gpu.per_node}): " if gpu.nodes > 1 else "")
@@ -268,7 +271,7 @@ def train(cfg: TrainConfig, host_note: str | None = None) -> int:
 def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     import jax
 
-    from olmo3eqx import distributed, flops, metrics, storage
+    from olmo3eqx import distributed, flops, jaxenv, metrics, storage
     from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
     from olmo3eqx.config import chip_remat, dump_yaml, for_chip, to_dict
     from olmo3eqx.profiling import StepProfiler
@@ -292,6 +295,9 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     if host_note:
         log.print(host_note)
     kind = jax.devices()[0].device_kind
+    tpu_flags = jaxenv.describe_tpu_flags(cfg.mesh.tpu_flags, kind, os.environ)
+    if tpu_flags:
+        log.print(f"XLA:TPU flags: {tpu_flags}")
     remat, chip = chip_remat(cfg.model, kind)
     if chip:  # config.yaml keeps the entries; the step uses this chip's
         cfg = for_chip(cfg, kind)
