@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 from olmo3eqx import exits
-from olmo3eqx.metrics import read_metrics
 from olmo3eqx.train import resume_advice
 from test_faults import committed, error_lines, shared, train_cmd, trainer_env, write_config  # noqa: F401
 from test_train import CONFIG
@@ -39,8 +38,9 @@ def test_exit_3_names_the_checkpoint_before_the_streak_and_says_the_weights_may_
     assert named_checkpoints(error) == [1], error
     assert "the very weights every batch failed on" in error and "start over with a lower optim.lr" in error, error
 
-    # What a person tries first: relaunch with a lower LR. It resumes from checkpoint 3, the newest, and the same
-    # weights fail again; the sentence still names checkpoint 1, never 3-5 (all written during the one streak).
+    # What a person tries first: relaunch with a lower LR (the rest of the optimizer as it was). It resumes from
+    # checkpoint 3, the newest, and the same weights fail again; the sentence still names checkpoint 1 and says to
+    # start over, never 3-5 (all written during the one streak, which began in the first launch).
     p = launch(cfg, tmp_path, shared, *BLOW_UP[2:], "--optim.lr", "1e-3")
     assert p.returncode == exits.NONFINITE, p.stderr[-3000:]
     (error,) = error_lines(p.stderr)
@@ -48,11 +48,6 @@ def test_exit_3_names_the_checkpoint_before_the_streak_and_says_the_weights_may_
     assert committed(ckpt) == [1, 2, 3, 4, 5], error
     assert "since step 2" in error and named_checkpoints(error) == [1], error
     assert "start over with a lower optim.lr" in error, error
-
-    # The advice taken: start over with a lower LR, and the run trains.
-    p = launch(cfg, tmp_path / "over", shared, *BLOW_UP[2:], "--optim.lr", "1e-3", "--steps", "3")
-    assert p.returncode == exits.OK, p.stderr[-3000:]
-    assert [r["train/skipped"] for r in read_metrics(tmp_path / "over" / "e2e") if "train/loss" in r] == [0, 0, 0]
 
 
 def test_the_advice_never_names_a_checkpoint_written_during_the_streak():
