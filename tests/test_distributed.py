@@ -405,6 +405,76 @@ def test_the_jobset_recipe_gives_each_pod_its_process(env, calls):
         assert launch.coordinator_address == values["JAX_COORDINATOR_ADDRESS"]
 
 
+JOBSET_POLICY = {"maxRestarts", "restartStrategy", "rules"}
+JOBSET_RULE = {"name", "action", "onJobFailureReasons", "onJobFailureMessagePatterns", "targetReplicatedJobs"}
+"""JobSet v1alpha2's FailurePolicy and FailurePolicyRule fields (kubernetes-sigs/jobset api/jobset/v1alpha2/
+jobset_types.go)."""
+
+
+def jobset_outcome(doc: dict, code: int, conditions: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """What the recipe's JobSet does once a trainer pod fails with exit `code` (and pod `conditions`): ("fails",
+    False) or ("relaunches", whether it counts toward maxRestarts). The Job controller matches its podFailurePolicy's
+    rules in order (kubernetes pkg/controller/job/pod_failure_policy.go: FailJob fails the Job with reason
+    PodFailurePolicy, Ignore replaces the pod uncounted, no match counts toward backoffLimit, past which the Job fails
+    with reason BackoffLimitExceeded); JobSet then matches its failurePolicy's rules in order by that reason (jobset
+    pkg/controllers/failure_policy.go; none matching: RestartJobSet, counted)."""
+    spec = doc["spec"]
+    (replicated,) = spec["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    (container,) = job["template"]["spec"]["containers"]
+    action = "Count"
+    for rule in job.get("podFailurePolicy", {}).get("rules", ()):
+        assert set(rule) <= {"action", "onExitCodes", "onPodConditions"}, rule  # batch/v1 PodFailurePolicyRule
+        if "onExitCodes" in rule:
+            codes = rule["onExitCodes"]
+            assert codes["containerName"] == container["name"] and codes["operator"] in ("In", "NotIn"), rule
+            matched = code != 0 and (code in codes["values"]) == (codes["operator"] == "In")
+        else:
+            matched = any(c["type"] in conditions and c.get("status", "True") == "True"
+                          for c in rule["onPodConditions"])
+        if matched:
+            action = rule["action"]
+            break
+    if action == "Ignore":
+        return "relaunches", False
+    assert action in ("FailJob", "Count"), action
+    if action == "Count" and job.get("backoffLimit", 6) > 0:
+        return "relaunches", True  # the Job controller replaces the pod, counted toward backoffLimit
+    reason = "PodFailurePolicy" if action == "FailJob" else "BackoffLimitExceeded"
+    if "failurePolicy" not in spec:
+        return "fails", False  # JobSet without a failure policy fails with its first failed Job
+    policy = spec["failurePolicy"]
+    assert set(policy) <= JOBSET_POLICY and all(set(rule) <= JOBSET_RULE for rule in policy.get("rules", ())), policy
+    chosen = next((rule["action"] for rule in policy.get("rules", ())
+                   if reason in rule.get("onJobFailureReasons", [reason])
+                   and replicated["name"] in rule.get("targetReplicatedJobs", [replicated["name"]])), "RestartJobSet")
+    return {"FailJobSet": ("fails", False), "RestartJobSet": ("relaunches", True),
+            "RestartJobSetAndIgnoreMaxRestarts": ("relaunches", False)}[chosen]
+
+
+def test_the_jobset_recipe_relaunches_as_until_done_does():
+    """After a crash, a storage failure (74) and a preemption (75), never after bad input (2) or a non-finite run (3),
+    with preemptions not counted: the exit codes as exits.py defines them and --until-done treats them."""
+    import signal
+
+    from olmo3eqx import exits
+    from olmo3eqx.tools.supervise import FINAL
+
+    (doc,) = [yaml.safe_load(b) for b in doc_blocks("yaml") if "kind: JobSet" in b]
+    crashes = (exits.PARITY_FAILED, 128 + signal.SIGKILL, 128 + signal.SIGABRT)  # a traceback, OOM killer, JAX abort
+    for code in (exits.BAD_INPUT, exits.NONFINITE, exits.STORAGE, exits.PREEMPTED, *crashes):
+        expected = ("fails", False) if code in FINAL else ("relaunches", code != exits.PREEMPTED)
+        assert jobset_outcome(doc, code) == expected, f"exit {code}"
+    # killed with its node before it could write its checkpoint and exit 75: a preemption too
+    assert jobset_outcome(doc, 128 + signal.SIGKILL, ("DisruptionTarget",)) == ("relaunches", False)
+    policy = doc["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] > 0
+    assert policy["restartStrategy"] == "BlockingRecreate"  # no old trainer holds the run when a new one starts
+    pod = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # a podFailurePolicy requires it
+    assert pod["terminationGracePeriodSeconds"] > 30  # Kubernetes' default: too short for the preemption checkpoint
+
+
 def test_the_explicit_recipe_gives_each_process_its_id(env, calls):
     (block,) = [b for b in doc_blocks("bash") if b.startswith("for i in 0 1")]
     words = shlex.split(block.replace("\\\n", " ").splitlines()[1])

@@ -482,7 +482,8 @@ def test_a_run_that_only_produces_nans_stops_after_max_nonfinite_saying_what_was
     (error,) = [line for line in p.stderr.splitlines() if line.startswith("error")]
     assert "3 consecutive steps (2-4) had a non-finite loss or gradient norm" in error, error
     assert "the weights are still those of step 1" in error and "optim.spike_guard is off" in error, error
-    assert "The last good checkpoint is none" in error and "skipped_batches.jsonl" in error, error
+    assert "No checkpoint was written before the streak began at step 2" in error, error
+    assert "skipped_batches.jsonl" in error, error
     assert "Traceback" not in p.stderr
     run_dir = base / "nan" / "e2e"
     assert [json.loads(line)["step"] for line in (run_dir / "skipped_batches.jsonl").read_text().splitlines()] == \

@@ -402,7 +402,7 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 warnings.warn("log.wandb is true but the `wandb` package is not installed; W&B logging is off "
-                              "(pip install wandb, or pass --log.wandb false).", stacklevel=2)
+                              "(pip install wandb, or pass --log.no-wandb).", stacklevel=2)
             else:
                 self._wandb, self._wandb_from = open_wandb(wandb, run_dir, cfg, config_dict)
                 if self._wandb_from > 0:

@@ -364,7 +364,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
         return exits.OK
     except NonFiniteLoss as e:
         log.print(f"error: {e}; stopping at optim.max_nonfinite {cfg.optim.max_nonfinite}. "
-                  f"{nonfinite_tried(cfg, e, checkpointer, skips)}")
+                  f"{nonfinite_tried(cfg, e, checkpointer, skips, start)}")
         return exits.NONFINITE
     except OSError as e:  # metrics.jsonl, indices: the disk that fills under a save fills under these too
         if storage_errno(e) not in STORAGE_ERRNOS:
@@ -376,18 +376,60 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
                   failing=sys.exc_info()[1] is not None)
 
 
-def nonfinite_tried(cfg: TrainConfig, e: NonFiniteLoss, checkpointer, skips) -> str:
-    """What was already tried when NonFiniteLoss stops a run, and what is left to a person."""
+def nonfinite_tried(cfg: TrainConfig, e: NonFiniteLoss, checkpointer, skips, start: int) -> str:
+    """What was already tried when NonFiniteLoss stops a run (launched at checkpoint `start`), and what is left to a
+    person."""
     from olmo3eqx import storage
 
-    kept = checkpointer.steps()
-    last = f"{checkpointer.directory / str(kept[-1])}" if kept else "none (nothing was saved yet)"
+    first = streak_start(e.first, start, skips.path)
+    earlier = f": every update since step {first} was skipped, those before step {e.first} by an earlier launch" \
+        if first < e.first else ""
     guard = "on" if cfg.optim.spike_guard else "off"
-    return (f"Already tried: each of those updates was skipped (the weights are still those of step {e.first - 1}; "
-            f"the batches are listed in {storage.redact(skips.path)}); optim.spike_guard is {guard}. The last good "
-            f"checkpoint is {last} (no checkpoint holds a non-finite state). A relaunch would replay the same batches "
-            f"on the same weights, so it is not tried: lower optim.lr, inspect those batches, or raise "
-            f"optim.max_nonfinite, then relaunch to resume.")
+    return (f"Already tried: each of those updates was skipped (the weights are still those of step {first - 1}"
+            f"{earlier}; the batches are listed in {storage.redact(skips.path)}); optim.spike_guard is {guard}. A "
+            f"relaunch resumes from the newest checkpoint and would replay the same weights, so it is not tried. "
+            f"{resume_advice(checkpointer.steps(), first, checkpointer.directory)}")
+
+
+def streak_start(first: int, start: int, skipped_file: str) -> int:
+    """The step the non-finite streak ending this launch began at: `first`, or earlier when this launch resumed inside
+    a streak an earlier launch began (its checkpoints written during the streak, its steps in the skip log)."""
+    from olmo3eqx import metrics, storage
+
+    if first != start + 1 or not storage.isfile(skipped_file):
+        return first
+    skipped = {record["step"] for record in metrics.read_metrics(skipped_file)}
+    while first - 1 in skipped:
+        first -= 1
+    return first
+
+
+def resume_advice(kept: list[int], first: int, directory) -> str:
+    """Where to go on from after a non-finite streak that began at step `first`, given the checkpoints `kept`: the
+    newest written before it. A skipped update leaves the weights as they were, so every checkpoint written during
+    the streak (steps >= first) holds the weights each of its batches failed on, with a later data position: never
+    those; and checkpoint first-1 holds those weights too, so then the weights themselves are suspect."""
+    before = [s for s in kept if s < first]
+    if not before:
+        return (f"No checkpoint was written before the streak began at step {first} (any written since holds the "
+                f"weights every batch failed on): start over with a lower optim.lr under another run.name, or inspect "
+                f"those batches.")
+    newest = before[-1]
+
+    def move(after: int) -> str:  # a relaunch resumes from the newest checkpoint
+        later = [str(s) for s in kept if s > after]
+        return f"move checkpoints {', '.join(later)} out of {directory} and " if later else ""
+
+    if newest < first - 1:
+        return (f"The newest checkpoint written before the streak began at step {first} is {directory / str(newest)}: "
+                f"{move(newest)}relaunch to resume from it with a lower optim.lr, or inspect those batches and raise "
+                f"optim.max_nonfinite.")
+    older = before[:-1]
+    retry = (f": {move(older[-1])}relaunch to resume from the older {directory / str(older[-1])} with a lower "
+             f"optim.lr, or" if older else ", and no older checkpoint is kept:")
+    return (f"Checkpoint {directory / str(newest)}, the newest written before the streak began at step {first}, holds "
+            f"the very weights every batch failed on, so the weights themselves may be bad{retry} start over with a "
+            f"lower optim.lr under another run.name, or inspect those batches.")
 
 
 def close_all(closers, failing: bool) -> None:
