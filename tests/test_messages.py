@@ -58,7 +58,7 @@ ABOUT_TRAINING = {("data/chat.py", "--steps")}
 summary gives the `--steps` of AI2's epochs."""
 PLACEHOLDERS = {"--name", "--other", "--section.field"}
 """Flags that stand for any flag (`--section.field value`)."""
-PROSE = {"a", "an", "and", "and/or", "apply", "allows", "as", "at", "by", "converts", "files", "for", "from", "in",
+PROSE = {"a", "adds", "an", "and", "and/or", "apply", "allows", "as", "at", "by", "converts", "files", "for", "from", "in",
          "is", "must", "names", "of", "on", "or", "pattern", "planning", "the", "then", "to", "tokens", "topology",
          "value", "with", "within", "writes"}
 """Words a sentence goes on with after a flag: not the flag's value."""
