@@ -28,7 +28,9 @@ import pytest
 
 from olmo3eqx import exits
 from olmo3eqx.config import ConfigError, LogConfig
-from olmo3eqx.checkpoint import Checkpointer, Retention, StorageError, format_bytes, tree_bytes
+from olmo3eqx.errors import StorageError
+from olmo3eqx.checkpoint.checkpointer import Checkpointer, format_bytes, tree_bytes
+from olmo3eqx.checkpoint.retention import Retention
 from olmo3eqx.metrics import MetricsLogger, TAIL_CHUNK, IndexLog, drop_torn_tail, read_metrics
 from olmo3eqx.runlock import LOCK_FILE, RunLock, RunLocked
 from test_train import CONFIG, ROOT, env
@@ -698,7 +700,7 @@ def test_what_a_restore_raised_is_classified_and_only_damage_skips_a_step():
     from google.api_core import exceptions as gexc
 
     from olmo3eqx import storage
-    from olmo3eqx.checkpoint import RESTORE_OUTCOMES, restore_failure
+    from olmo3eqx.checkpoint.failures import RESTORE_OUTCOMES, restore_failure
 
     def wrapped(cause):  # orbax re-raises tensorstore's error inside its own
         try:
