@@ -125,7 +125,7 @@ class Checkpointer:
         self.directory = checkpoint_dir(directory, "run.dir", write=True)
         self.remote = is_remote(self.directory)
         self.keep = keep
-        self.retention = Retention(keep, keep_every, permanent_every, last_step)
+        self.retention = Retention(keep, keep_every, permanent_every, last_step, self.directory)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self.retention, enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=TRAIN_ITEMS)
@@ -222,7 +222,7 @@ class Checkpointer:
         self._translate(lambda: self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
             data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config)), force=True), step)
+            config=ocp.args.JsonSave(config)), force=True, custom_metadata=self.retention.record(step)), step)
         self._writing = step
 
     def poll(self) -> None:

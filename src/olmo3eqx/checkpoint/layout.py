@@ -7,6 +7,7 @@ Layout of a checkpoint directory `C` (an orbax CheckpointManager root):
                          (restore_model_leaf)
     C/<step>/config/     the resolved config as JSON (at least {"model": {...}})
     C/<step>/data/       training checkpoints only: the data-iterator state (JSON)
+    C/<step>/_CHECKPOINT_METADATA   orbax's step metadata; a training checkpoint's records whether it is permanent
 
 Every directory here may be local or a gs:// or s3:// URL (olmo3eqx.storage). On a bucket orbax writes the arrays
 through tensorstore's own gcs/s3 kvstores (orbax_s3 teaches it s3://) and the rest through etils.epath; a step is
@@ -31,6 +32,9 @@ STATE = "state"
 COMMITTED = "commit_success.txt"
 """What orbax writes last into a step it commits on a bucket (and locally with async saves); convert.py's steps on a
 bucket get one too."""
+STEP_METADATA = "_CHECKPOINT_METADATA"
+"""orbax's metadata of a step (JSON), written with the step before it commits; its "custom_metadata" holds what the
+saver passed (a training checkpoint's permanence, olmo3eqx.checkpoint.retention)."""
 
 
 def checkpoint_dir(directory, what: str = "Checkpoint", *, write: bool = False) -> StorePath:
