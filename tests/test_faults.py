@@ -665,13 +665,13 @@ def test_checkpoints_written_before_the_record_are_decided_as_before(tmp_path):
 
 
 def test_raising_steps_keeps_the_final_checkpoint_of_a_real_run(tmp_path, shared):
-    """train.py on tiny.yaml's model: 45 steps (checkpoints every 5, every 10th permanent, keep 3), then --steps 51
-    resumes from 45 and keeps it."""
-    cfg = write_config(tmp_path / "raise.yaml", KILL_CONFIG.replace("STEPS", "45"), shared)
+    """train.py on test_train's small model: 45 steps (checkpoints every 5, every 10th permanent, keep 3), then
+    --steps 51 resumes from 45 and keeps it."""
+    cfg = write_config(tmp_path / "raise.yaml", CONFIG, shared)
     run_dir = tmp_path / "run"
     ckpt = run_dir / "e2e" / "checkpoints"
-    cmd = [*train_cmd(cfg, run_dir), "--checkpoint.every", "10", "--checkpoint.ephemeral-every", "5",
-           "--checkpoint.keep", "3"]
+    cmd = [*train_cmd(cfg, run_dir), "--steps", "45", "--eval.every", "0", "--checkpoint.every", "10",
+           "--checkpoint.ephemeral-every", "5", "--checkpoint.keep", "3"]
     for extra, want in (([], [30, 40, 45]), (["--steps", "51"], [45, 50, 51])):
         p = subprocess.run(cmd + extra, env=trainer_env(shared), capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]

@@ -114,7 +114,7 @@ class Checkpointer:
     """Composite checkpoints of a train state: `state` (the TrainState's arrays, one tree), `data` (the iterator
     state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the state after N updates and a
     data state that has consumed exactly N global batches. Which steps are kept: Retention (keep, keep_every,
-    permanent_every, last_step).
+    permanent_every, last_step), each step saved with the permanence it is written with.
 
     Saves run in orbax's background thread (with async_save): a failure there surfaces at `poll()` (the loop calls
     it every step, so a run on a full disk stops at the step after the failed write, not at the next save), `save`,
