@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from olmo3eqx.checkpoint import Checkpointer
+from olmo3eqx.checkpoint.checkpointer import Checkpointer
 from olmo3eqx.config import load_yaml, to_dict
 from olmo3eqx.flops import param_count
 from olmo3eqx.sharding import build_layout

@@ -132,7 +132,7 @@ def ask(model, chat, questions: list[tuple[int, int]]) -> dict:
 
 
 def evaluate(run_dir: Path, questions: list[tuple[int, int]]) -> dict:
-    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.checkpoint.model import load_model
     from olmo3eqx.data.chat import ChatTokenizer
 
     model, _ = load_model(str(run_dir))

@@ -58,7 +58,7 @@ def write_checkpoint(path: Path, cfg, seed: int = 0) -> None:
     """Random float32 weights (normal, std 0.02), one leaf in memory at a time."""
     import numpy as np
 
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import save_model_leaves
     from olmo3eqx.hf import weights
     from olmo3eqx.model import abstract_model
 
@@ -70,7 +70,7 @@ def write_checkpoint(path: Path, cfg, seed: int = 0) -> None:
             like = weights.leaf_of(abstract, p)
             yield p, rng.standard_normal(like.shape, dtype=np.float32) * np.float32(0.02)
 
-    checkpoint.save_model_leaves(path, cfg, leaves())
+    save_model_leaves(path, cfg, leaves())
 
 
 def rss() -> int:
@@ -134,7 +134,7 @@ def speak(ckpt: str, reader: str, dtype: str, prompt: int, new: int) -> dict:
     import jax
     import numpy as np
 
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import load_any, open_model, restore_parts, speaking_config
     from olmo3eqx.config import MeshConfig
     from olmo3eqx.generate import generate
     from olmo3eqx.model import abstract_model
@@ -152,16 +152,16 @@ def speak(ckpt: str, reader: str, dtype: str, prompt: int, new: int) -> dict:
 
     t0 = time.perf_counter()
     if reader == "ours":
-        model = checkpoint.load_any(ckpt, mesh, dtype).model
+        model = load_any(ckpt, mesh, dtype).model
     else:
         import equinox as eqx
 
         from olmo3eqx.sharding import is_leaf_like
 
-        root, step, cfg = checkpoint.open_model(ckpt)
-        abstract = abstract_model(checkpoint.speaking_config(cfg, dtype))
+        root, step, cfg = open_model(ckpt)
+        abstract = abstract_model(speaking_config(cfg, dtype))
         target = with_shardings(abstract, model_shardings(abstract, mesh))
-        restored = checkpoint.restore_parts(root, step, {"model": target})["model"]
+        restored = restore_parts(root, step, {"model": target})["model"]
         model = eqx.combine(restored, eqx.partition(abstract, is_leaf_like)[1])
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
@@ -178,11 +178,11 @@ def speak(ckpt: str, reader: str, dtype: str, prompt: int, new: int) -> dict:
 
 def temps(ckpt: str, dtype: str, prompt: int, new: int) -> dict:
     """The compiled programs' temporaries, from the checkpoint's config alone (nothing loaded)."""
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import open_model, speaking_config
     from olmo3eqx.model import abstract_model
 
-    _, _, cfg = checkpoint.open_model(ckpt)
-    return program_temps(abstract_model(checkpoint.speaking_config(cfg, dtype)), prompt, new, 16)
+    _, _, cfg = open_model(ckpt)
+    return program_temps(abstract_model(speaking_config(cfg, dtype)), prompt, new, 16)
 
 
 def child(mode: str, ckpt: str, reader: str, dtype: str, prompt: int, new: int, scheduler: str) -> dict:

@@ -105,7 +105,7 @@ def loader_rate(paths: list[str], *, threads: int, seconds: float) -> tuple[floa
 CKPT_CHILD = r"""
 import json, os, resource, sys, time
 import jax, jax.numpy as jnp
-from olmo3eqx.checkpoint import Checkpointer
+from olmo3eqx.checkpoint.checkpointer import Checkpointer
 directory, gib = sys.argv[1], float(sys.argv[2])
 n = int(gib * 2**30 / 4 / 8)
 state = {f"w{i}": jnp.full((n,), i, jnp.float32) + jnp.arange(n, dtype=jnp.float32) for i in range(8)}

@@ -817,7 +817,7 @@ def run(plan: Plan, out: Path, work: Path, *, fault: bool, max_jobs: int, timeou
                               str(init / "ckpt"), "--eos-token-id", str(EOS), "--pad-token-id", str(PAD)],
                   work / "convert.jsonl", work / "logs" / "convert.log", after=("init",))
     run_jobs([init_job, convert], 1, timeout_s)
-    from olmo3eqx.checkpoint import read_config, resolve_step_dir
+    from olmo3eqx.checkpoint.layout import read_config, resolve_step_dir
 
     model = read_config(*resolve_step_dir(str(init / "ckpt")))["model"]
 

@@ -262,11 +262,11 @@ def test_task_files_fewshot_and_errors(tmp_path):
 
 
 def test_eval_cli_on_a_checkpoint_prints_a_table_and_writes_json(tiny, tmp_path, capsys):
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import save_model
     from olmo3eqx.tools.evaluate import main
 
     path, _, model, _, _ = tiny
-    checkpoint.save_model(tmp_path / "ckpt", jax.device_get(model), model.cfg)
+    save_model(tmp_path / "ckpt", jax.device_get(model), model.cfg)
     write_tokens(tmp_path / "c4_en.npy", random_docs(np.random.default_rng(1), 8, 256))
     out = tmp_path / "r.json"
     assert main(["--ckpt", str(tmp_path / "ckpt"), "--heldout", f"c4_en={tmp_path}/c4_en.npy",
@@ -326,7 +326,7 @@ def test_training_loop_logs_every_named_set_and_task_and_every_checkpoint_is_sco
     assert [r["step"] for r in samples] == [0, 2]
     assert samples[1]["samples/0"].startswith("def ") and samples[1]["samples/1"].startswith("x = ")
     assert f"sample at step 2:\n{samples[1]['samples/0']}" in p.stderr
-    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.checkpoint.model import load_model
     from olmo3eqx.evaluator import Samples
     from olmo3eqx.tasks import Tokenizer
 

@@ -28,7 +28,9 @@ import pytest
 
 from olmo3eqx import exits
 from olmo3eqx.config import ConfigError, LogConfig
-from olmo3eqx.checkpoint import Checkpointer, Retention, StorageError, format_bytes, tree_bytes
+from olmo3eqx.errors import StorageError
+from olmo3eqx.checkpoint.checkpointer import Checkpointer, format_bytes, tree_bytes
+from olmo3eqx.checkpoint.retention import Retention
 from olmo3eqx.metrics import MetricsLogger, TAIL_CHUNK, IndexLog, drop_torn_tail, read_metrics
 from olmo3eqx.runlock import LOCK_FILE, RunLock, RunLocked
 from test_train import CONFIG, ROOT, env
@@ -611,6 +613,72 @@ def test_one_ephemeral_checkpoint_at_a_time_deleted_only_once_a_newer_one_commit
     ck.close()
 
 
+RAISED = {"every": 10, "ephemeral_every": 5, "keep": 3}
+"""The issue's run: a checkpoint every 5 steps, every 10th permanent, the newest 3 permanent ones kept, 45 steps, then
+relaunched with --steps 51."""
+
+
+def saves(cfg, first: int, last: int) -> list[int]:
+    return [s for s in range(first, last + 1) if cfg.due(s, last)]
+
+
+@pytest.mark.parametrize("store", ["local", "gs", "s3"])
+def test_a_checkpoint_written_permanent_stays_permanent_when_steps_is_raised(store, tmp_path, request):
+    """The run of 45 steps ends with [30, 40, 45] (45 permanent: the last step); the relaunch with --steps 51 keeps 45,
+    recorded permanent when it was written, so its saves of 50 and 51 push the older 30 and 40 out of keep 3, not 45
+    (deciding 45 again against the new last step made it ephemeral and deleted it: [40, 50, 51])."""
+    from olmo3eqx.config import CheckpointConfig
+
+    cfg = CheckpointConfig(**RAISED)
+    directory = bucket_or_local(store, tmp_path, request)
+    state = {"a": jnp.arange(16.0)}
+    for first, last, want in ((1, 45, [30, 40, 45]), (46, 51, [45, 50, 51])):
+        ck = Checkpointer(directory, keep=cfg.keep, permanent_every=cfg.every, last_step=last)
+        for step in saves(cfg, first, last):
+            ck.save(step, state, {"batches_consumed": step}, {"model": {}})
+        ck.close()
+        assert on_store(ck) == want, last
+
+
+def test_checkpoints_written_before_the_record_are_decided_as_before(tmp_path):
+    """Steps written before their permanence was recorded (orbax's save of the same items without custom metadata,
+    as the Checkpointer wrote them) still restore, and a launch decides their status as before, by its own
+    checkpoint.every and last step: 45, relaunched with --steps 51, is ephemeral and goes once 50 commits."""
+    import orbax.checkpoint as ocp
+
+    from olmo3eqx.checkpoint.checkpointer import TRAIN_ITEMS
+
+    directory, state = tmp_path / "ckpt", {"a": jnp.arange(16.0)}
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
+                               item_names=TRAIN_ITEMS) as older:
+        for step in (30, 40, 45):
+            older.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     data=ocp.args.JsonSave({"batches_consumed": step}),
+                                                     config=ocp.args.JsonSave({"model": {}})))
+    ck = Checkpointer(directory, keep=RAISED["keep"], permanent_every=RAISED["every"], last_step=51)
+    restored, data = ck.restore(45, state)
+    assert data == {"batches_consumed": 45} and np.array_equal(restored["a"], state["a"])
+    for step in (50, 51):
+        ck.save(step, state, {"batches_consumed": step}, {"model": {}})
+    ck.close()
+    assert on_store(ck) == [40, 50, 51]
+
+
+def test_raising_steps_keeps_the_final_checkpoint_of_a_real_run(tmp_path, shared):
+    """train.py on test_train's small model: 45 steps (checkpoints every 5, every 10th permanent, keep 3), then
+    --steps 51 resumes from 45 and keeps it."""
+    cfg = write_config(tmp_path / "raise.yaml", CONFIG, shared)
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "e2e" / "checkpoints"
+    cmd = [*train_cmd(cfg, run_dir), "--steps", "45", "--eval.every", "0", "--checkpoint.every", "10",
+           "--checkpoint.ephemeral-every", "5", "--checkpoint.keep", "3"]
+    for extra, want in (([], [30, 40, 45]), (["--steps", "51"], [45, 50, 51])):
+        p = subprocess.run(cmd + extra, env=trainer_env(shared), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert committed(ckpt) == want, p.stderr[-2000:]
+    assert resumed_step(p.stderr) == 45
+
+
 # --- SIGKILL inside metrics.jsonl appends ------------------------------------------------------------------
 
 APPENDER = """
@@ -698,7 +766,7 @@ def test_what_a_restore_raised_is_classified_and_only_damage_skips_a_step():
     from google.api_core import exceptions as gexc
 
     from olmo3eqx import storage
-    from olmo3eqx.checkpoint import RESTORE_OUTCOMES, restore_failure
+    from olmo3eqx.checkpoint.failures import RESTORE_OUTCOMES, restore_failure
 
     def wrapped(cause):  # orbax re-raises tensorstore's error inside its own
         try:

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from olmo3eqx import checkpoint, hf
+from olmo3eqx import hf
+from olmo3eqx.checkpoint.layout import model_config_mismatch
+from olmo3eqx.checkpoint.model import load_model, save_model
 
 from olmo3eqx.hf import config_json, parity, weights
 from olmo3eqx.tools.convert import main, save_tiny_hf_model
@@ -258,7 +260,7 @@ def test_yarn_through_orbax_and_back(yarn_dirs, tmp_path, capsys, monkeypatch):
     assert _cli(["hf-to-orbax", "--hf-dir", dirs["legacy"], "--out", ckpt, "--skip-parity"], capsys)[0] == 0
     assert _cli(["orbax-to-hf", "--ckpt", ckpt, "--out", back, "--max-shard-gb", "0.0001"], capsys)[0] == 0
     assert sorted(p.name for p in ckpt.iterdir()) == ["0"]
-    restored, rcfg = checkpoint.load_model(ckpt)
+    restored, rcfg = load_model(ckpt)
     assert rcfg == cfg
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -293,7 +295,7 @@ def test_final_preset_is_the_released_config_json():
     released = config_json.config_from_hf(RELEASED_7B_CONFIG)
     assert released.rope_scaling.rope_type == "yarn" and released.rope_scaling.factor == 8.0
     preset = load_yaml(REPO / "configs" / "olmo3-7b-final.yaml").model
-    assert checkpoint.model_config_mismatch(released, preset) == []
+    assert model_config_mismatch(released, preset) == []
     assert config_json.config_mismatches(released, preset) == []
     # transformers reads the same file as YaRN on the full-attention layers and plain RoPE on the sliding ones.
     ref = transformers.Olmo3Config(**RELEASED_7B_CONFIG).rope_parameters
@@ -501,11 +503,11 @@ def test_missing_eos_is_refused_not_guessed(small_hf, tmp_path, capsys):
     assert rc == 2 and "--eos-token-id" in _one_clear_line(err) and not (tmp_path / "c").exists()
     rc, _, _ = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c", "--eos-token-id", "3"], capsys)
     assert rc == 0
-    cfg = checkpoint.load_model(tmp_path / "c")[1]
+    cfg = load_model(tmp_path / "c")[1]
     assert (cfg.eos_token_id, cfg.pad_token_id) == (3, 3)
     rc, _, _ = _cli(["hf-to-orbax", "--hf-dir", bare, "--out", tmp_path / "c2", "--skip-parity", "--eos-token-id", "3",
                      "--pad-token-id", "4"], capsys)
-    assert rc == 0 and checkpoint.load_model(tmp_path / "c2")[1].pad_token_id == 4
+    assert rc == 0 and load_model(tmp_path / "c2")[1].pad_token_id == 4
 
 
 def test_token_ids_from_generation_config_or_tokenizer(small_hf, tmp_path):
@@ -553,7 +555,7 @@ def test_parity_threshold_refuses_to_write(small_hf, tmp_path, capsys):
 def test_parity_refuses_mismatched_configs(small_hf, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     model, cfg = hf.load_hf(small_hf)
-    checkpoint.save_model(ckpt, model, cfg)
+    save_model(ckpt, model, cfg)
     other = tmp_path / "other"
     save_tiny_hf_model(other, seed=0, num_hidden_layers=2, sliding_window=7, rms_norm_eps=1e-5)
     rc, _, err = _cli(["parity", "--hf-dir", other, "--ckpt", ckpt], capsys)
@@ -602,7 +604,7 @@ def test_cli_end_to_end(tmp_path):
 
     # hf-to-orbax -> checkpoint.load_model gives the same model, hence the same logits, as load_hf.
     model, cfg = hf.load_hf(hf_dir)
-    restored, rcfg = checkpoint.load_model(ckpt)
+    restored, rcfg = load_model(ckpt)
     assert config_json.config_mismatches(cfg, rcfg) == [] and rcfg.param_dtype == "float32"
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
     np.testing.assert_array_equal(our_logits(restored, tokens), our_logits(model, tokens))

@@ -117,7 +117,7 @@ def upward_edges(graph: dict[str, dict[str, int]], top: set[str]) -> list[str]:
 
 def test_the_import_graph_has_no_cycle():
     graph = import_graph(modules())
-    assert len(graph) > 50 and "olmo3eqx.storage" in graph["olmo3eqx.checkpoint"]  # the reader sees the package
+    assert len(graph) > 50 and "olmo3eqx.storage" in graph["olmo3eqx.checkpoint.layout"]  # the reader sees packages
     found = cycles(graph)
     assert not found, "import cycles (break each by moving the shared piece down a layer): " + "; ".join(
         " <-> ".join(c) for c in found)
@@ -158,13 +158,35 @@ def test_the_checker_finds_a_cycle_and_an_upward_import(tmp_path):
         "olmo3eqx.b -> olmo3eqx.tools (line 6)", "olmo3eqx.b -> olmo3eqx.tools.cmd (line 6)"]
 
 
+def downward_only(package: str, order: list[str]) -> None:
+    """Every module of `package` is placed in `order`, and imports only those before it (never the package's
+    __init__, which gathers the API)."""
+    mods = modules()
+    graph = import_graph(mods)
+    inside = {f"{PACKAGE}.{package}.{m}": i for i, m in enumerate(order)}
+    assert set(inside) == {m for m in mods if m.startswith(f"{PACKAGE}.{package}.")}, \
+        f"a {package} module not placed here"
+    upward = [f"{a} -> {b}" for a, i in inside.items() for b in graph[a]
+              if inside.get(b, -1) >= i or b == f"{PACKAGE}.{package}"]
+    assert not upward, f"{package} modules importing a module at or above their own layer: " + "; ".join(upward)
+
+
 def test_storage_is_a_package_whose_modules_import_downward_only():
     """paths at the bottom, then stores and retry, ranged, files, and append / versioned on top: a module of the
     package imports only those before it (the package's __init__ gathers the API)."""
-    order = ["paths", "stores", "retry", "ranged", "files", "append", "versioned"]
-    mods = modules()
-    graph = import_graph(mods)
-    inside = {f"{PACKAGE}.storage.{m}": i for i, m in enumerate(order)}
-    assert set(inside) == {m for m in mods if m.startswith(f"{PACKAGE}.storage.")}, "a storage module not placed here"
-    upward = [f"{a} -> {b}" for a, i in inside.items() for b in graph[a] if inside.get(b, -1) >= i]
-    assert not upward, "storage modules importing a module at or above their own layer: " + "; ".join(upward)
+    downward_only("storage", ["paths", "stores", "retry", "ranged", "files", "append", "versioned"])
+
+
+def test_checkpoint_is_a_package_whose_modules_import_downward_only():
+    """layout (directories, steps, the stored config) and failures (what an exception means) at the bottom, retention,
+    then the model's save and load, and the training checkpointer on top."""
+    downward_only("checkpoint", ["layout", "failures", "retention", "model", "checkpointer"])
+
+
+def test_the_project_imports_checkpoint_names_from_the_module_that_owns_them():
+    """olmo3eqx.checkpoint's __init__ keeps the names users import from it (load_model, load_any, ...); the project's
+    own modules name the module that defines what they use, so a reader finds it in one step."""
+    graph = import_graph(modules())
+    via_init = [f"{a} (line {edges[f'{PACKAGE}.checkpoint']})" for a, edges in sorted(graph.items())
+                if f"{PACKAGE}.checkpoint" in edges and a != f"{PACKAGE}.checkpoint"]
+    assert not via_init, "modules importing olmo3eqx.checkpoint's __init__: " + "; ".join(via_init)

@@ -170,7 +170,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from olmo3eqx.checkpoint import Checkpointer
+from olmo3eqx.checkpoint.checkpointer import Checkpointer
 from olmo3eqx.config import ModelConfig, to_dict
 
 sharding = NamedSharding(jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,)), PartitionSpec("fsdp"))

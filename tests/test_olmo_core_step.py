@@ -32,7 +32,8 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import CosWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
 from olmo_core.train.train_module import TransformerTrainModule
 
-from olmo3eqx import checkpoint, optim, step as step_lib
+from olmo3eqx import optim, step as step_lib
+from olmo3eqx.checkpoint.model import init_from, load_model
 from olmo3eqx.config import DataConfig, MeshConfig, OptimConfig, TrainConfig
 from olmo3eqx.sharding import build_layout
 from olmo3eqx.step import make_train_step
@@ -145,13 +146,13 @@ def olmo_core_run(module: TransformerTrainModule, clock: StepClock, run: Run) ->
 
 def our_run(ckpt: Path, run: Run, optim_cfg: OptimConfig | None = None) -> np.ndarray:
     """[steps, METRICS] of our step from the converted checkpoint, as `train.py --init-from ckpt` runs it."""
-    _, model_cfg = checkpoint.load_model(ckpt)
+    _, model_cfg = load_model(ckpt)
     cfg = TrainConfig(steps=run.steps, model=model_cfg, data=DataConfig(seq_len=SEQ, global_batch=BATCH),
                       optim=optim_cfg or run.optim(), init_from=str(ckpt),
                       mesh=MeshConfig(fsdp=DEVICES, max_per_device_batch=BATCH // DEVICES // MICRO_BATCHES))
     layout = build_layout(cfg, jax.devices()[:DEVICES])
     assert layout.plan.accum_steps == MICRO_BATCHES
-    state = checkpoint.init_from(cfg.init_from, layout.init_state(cfg), layout.state_target(), with_optimizer=False)
+    state = init_from(cfg.init_from, layout.init_state(cfg), layout.state_target(), with_optimizer=False)
     train_step = make_train_step(cfg, layout)
     rows = []
     for s in range(1, run.steps + 1):

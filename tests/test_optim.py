@@ -482,7 +482,7 @@ def test_a_nonfinite_loss_or_grad_norm_is_skipped_whatever_the_spike_guard(spike
 def test_spike_history_survives_a_resume(tmp_path):
     """The guard's history is part of the train state: a run saved and resumed makes the decisions of an uninterrupted
     one. OLMo-core's lives in memory: after a restart its warm-up starts again and would let this spike through."""
-    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.checkpoint.checkpointer import Checkpointer
     from olmo3eqx.config import DataConfig, MeshConfig, ModelConfig, TrainConfig
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step

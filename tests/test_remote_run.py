@@ -153,7 +153,7 @@ import asyncio, sys, types
 
 import gcsfs.retry
 
-from olmo3eqx.checkpoint import Checkpointer
+from olmo3eqx.checkpoint.checkpointer import Checkpointer
 
 gcsfs.retry.asyncio = types.SimpleNamespace(sleep=lambda s: asyncio.sleep(0.05))  # its 6 tries in 0.3 s, not 31 s
 restore_latest = Checkpointer.restore_latest
@@ -435,7 +435,7 @@ def test_two_processes_share_a_run_directory_in_a_bucket(setup, reference, store
     # one checkpoint, written by both: each process's own arrays, restored whole by one process
     state = storage.listdir(storage.join(run, "checkpoints", str(STEPS), "state"))
     assert {storage.join(run, "checkpoints", str(STEPS), "state", f"ocdbt.process_{i}") for i in range(2)} <= set(state)
-    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.checkpoint.model import load_model
 
     model, _ = load_model(storage.join(run, "checkpoints", str(STEPS)))
     assert np.isfinite(np.asarray(model.embed)).all()
@@ -638,7 +638,7 @@ def tool(*args, module: str | None = None, timeout=600) -> subprocess.CompletedP
 
 def test_tools_and_init_from_read_and_write_urls(gs_run, s3_run, setup, stores, tmp_path):
     from olmo3eqx import hf
-    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.checkpoint.model import load_model
 
     base, cfg = setup
     hf_url = stores.url("s3", f"hf-{uuid.uuid4().hex[:6]}")

@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from olmo3eqx import checkpoint, hf
+from olmo3eqx import hf
+from olmo3eqx.checkpoint.model import load_any, save_model, save_model_leaves
 from olmo3eqx.config import ConfigError, MeshConfig, ModelConfig
 from olmo3eqx.generate import generate
 from olmo3eqx.model import init_model
@@ -57,10 +58,10 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("speak")
     model = with_ties(init_model(CFG, jax.random.key(0)))
     mp = pytest.MonkeyPatch()
-    mp.setattr(checkpoint, "CHUNK_BYTES", TINY_CHUNK)
-    checkpoint.save_model(root / "standard", model, CFG)
+    mp.setattr("olmo3eqx.checkpoint.model.CHUNK_BYTES", TINY_CHUNK)
+    save_model(root / "standard", model, CFG)
     paths = [p for p, _ in hf.weights.leaf_groups(hf.weights.tensor_specs(CFG)).items()]
-    checkpoint.save_model_leaves(root / "partial", CFG, ((p, leaf_of(model, p)) for p in paths))
+    save_model_leaves(root / "partial", CFG, ((p, leaf_of(model, p)) for p in paths))
     mp.undo()
     hf.save_hf(model, CFG, root / "hf")
     return model, {"standard": root / "standard", "partial": root / "partial", "hf": root / "hf"}
@@ -72,7 +73,7 @@ def test_load_any_lands_on_the_mesh_in_the_compute_dtype_bit_for_bit(saved, layo
     want = [x.astype(ml_dtypes.bfloat16).view(np.uint16) for x in leaves(model)]
     for devices in (8, 3):  # 3: shards of 32 rows and of 1/3 of each width, across the stored chunks' edges
         mesh = make_mesh(MeshConfig(), jax.devices()[:devices])
-        loaded = checkpoint.load_any(str(paths[layout]), mesh, "bfloat16")
+        loaded = load_any(str(paths[layout]), mesh, "bfloat16")
         assert loaded.cfg.param_dtype == loaded.cfg.compute_dtype == "bfloat16"
         got = jax.tree.leaves(eqx.filter(loaded.model, eqx.is_array))
         rule = jax.tree.leaves(model_shardings(loaded.model, mesh))
@@ -80,9 +81,9 @@ def test_load_any_lands_on_the_mesh_in_the_compute_dtype_bit_for_bit(saved, layo
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w)
     if layout != "hf":
-        default = checkpoint.load_any(str(paths[layout]), mesh)  # unset: the checkpoint's compute dtype
+        default = load_any(str(paths[layout]), mesh)  # unset: the checkpoint's compute dtype
         assert default.cfg.compute_dtype == "bfloat16" and default.model.embed.dtype == jnp.bfloat16
-        f32 = checkpoint.load_any(str(paths[layout]), mesh, "float32")  # the stored bits, unchanged
+        f32 = load_any(str(paths[layout]), mesh, "float32")  # the stored bits, unchanged
         for g, w in zip(leaves(f32.model), leaves(model)):
             np.testing.assert_array_equal(g, w)
 
@@ -90,7 +91,7 @@ def test_load_any_lands_on_the_mesh_in_the_compute_dtype_bit_for_bit(saved, layo
 def test_weights_held_in_the_compute_dtype_give_the_float32_masters_logits(saved):
     """The forward casts every weight to the compute dtype before using it: loading them cast changes no output."""
     model, paths = saved
-    loaded = checkpoint.load_any(str(paths["partial"]), make_mesh(MeshConfig(), jax.devices()[:1]))
+    loaded = load_any(str(paths["partial"]), make_mesh(MeshConfig(), jax.devices()[:1]))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 24)), jnp.int32)
     forward = eqx.filter_jit(lambda m, t: m(t))
     np.testing.assert_array_equal(np.asarray(forward(loaded.model, tokens)), np.asarray(forward(model, tokens)))
@@ -98,7 +99,7 @@ def test_weights_held_in_the_compute_dtype_give_the_float32_masters_logits(saved
 
 def test_a_bad_dtype_is_one_sentence(saved):
     with pytest.raises(ConfigError, match="dtype 'float64' is not one of float32, bfloat16, float16"):
-        checkpoint.load_any(str(saved[1]["partial"]), make_mesh(MeshConfig(), jax.devices()[:1]), "float64")
+        load_any(str(saved[1]["partial"]), make_mesh(MeshConfig(), jax.devices()[:1]), "float64")
 
 
 def test_generation_holds_no_second_copy_of_the_weights():

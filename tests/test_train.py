@@ -93,7 +93,7 @@ def committed(run_dir: Path, step: int) -> bool:
 
 
 def final_params(run_dir: Path):
-    from olmo3eqx.checkpoint import load_model
+    from olmo3eqx.checkpoint.model import load_model
 
     model, _ = load_model(run_dir / "e2e" / "checkpoints" / str(STEPS))
     return [np.asarray(x) for x in jax.tree.leaves(model)]
@@ -293,7 +293,7 @@ def test_refusals_unreadable_checkpoints_config_mismatch_and_done(setup, referen
 
 def test_checkpoint_n_resumes_on_global_batch_n(setup, reference):
     """The reproduction's off-by-one: checkpoint N must continue with global batch N (0-based)."""
-    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.checkpoint.checkpointer import Checkpointer
     from olmo3eqx.config import load_yaml
     from olmo3eqx.data import build_train_iterator
 
@@ -324,7 +324,7 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     assert first2["train/lr"] == pytest.approx(3e-3 * (1 - 1 / 4))
     assert first2["train/loss"] < first1["train/loss"] - 0.5
 
-    from olmo3eqx.checkpoint import Checkpointer
+    from olmo3eqx.checkpoint.checkpointer import Checkpointer
     import orbax.checkpoint as ocp
 
     ck = Checkpointer(run_dir / "e2e" / "checkpoints", keep=3)
@@ -333,7 +333,7 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     assert data["batches_consumed"] == 4  # data position reset, not continued from stage 1's 12
 
     # The moments themselves: init_from with the optimizer carries stage 1's AdamW state leaf for leaf.
-    from olmo3eqx import checkpoint as ckpt_lib
+    from olmo3eqx.checkpoint.model import init_from
     from olmo3eqx.config import load_yaml
     from olmo3eqx.sharding import build_layout
 
@@ -341,7 +341,7 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
     layout = build_layout(tcfg)
     fresh = layout.init_state(tcfg)
     src = reference / "e2e" / "checkpoints"
-    carried = ckpt_lib.init_from(src, fresh, layout.state_target(), with_optimizer=True)
+    carried = init_from(src, fresh, layout.state_target(), with_optimizer=True)
     saved = Checkpointer(src, keep=3)
     _, want = saved.restore_latest(layout.state_target(), tcfg.model)[:2]
     saved.close()
@@ -350,7 +350,7 @@ def test_init_from_carries_weights_and_moments_resets_step_and_data(setup, refer
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(carried.model), jax.tree.leaves(want.model)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    weights_only = ckpt_lib.init_from(src, fresh, layout.state_target(), with_optimizer=False)
+    weights_only = init_from(src, fresh, layout.state_target(), with_optimizer=False)
     assert all(float(np.abs(np.asarray(x)).max()) == 0 for x in jax.tree.leaves(weights_only.opt_state[1].mu))
 
 
@@ -383,7 +383,7 @@ def test_init_from_a_smaller_vocabulary_pads_it_and_trains(setup, trimmed_hf):
     distribution); the log says so in one line and the run trains."""
     from safetensors.numpy import load_file
 
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import init_from, load_model
     from olmo3eqx.config import load_yaml
     from olmo3eqx.model import init_model
     from olmo3eqx.sharding import build_layout
@@ -401,7 +401,7 @@ def test_init_from_a_smaller_vocabulary_pads_it_and_trains(setup, trimmed_hf):
     tcfg = load_yaml(cfg)
     layout = build_layout(tcfg)
     notes = []
-    state = checkpoint.init_from(ckpt, layout.init_state(tcfg), layout.state_target(), with_optimizer=False,
+    state = init_from(ckpt, layout.init_state(tcfg), layout.state_target(), with_optimizer=False,
                                  note=notes.append)
     assert len(notes) == 1 and said[0].endswith(notes[0])
     hf = load_file(hf_dir / "model.safetensors")
@@ -409,7 +409,7 @@ def test_init_from_a_smaller_vocabulary_pads_it_and_trains(setup, trimmed_hf):
     assert embed.shape == (384, 64) and head.shape == (64, 384)
     np.testing.assert_array_equal(embed[:HF_ROWS], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(head[:, :HF_ROWS], hf["lm_head.weight"].T)
-    converted, _ = checkpoint.load_model(ckpt)
+    converted, _ = load_model(ckpt)
     for name in ("blocks", "norm"):
         for a, b in zip(jax.tree.leaves(getattr(state.model, name)), jax.tree.leaves(getattr(converted, name))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -446,7 +446,7 @@ def test_init_from_refuses_any_other_shape_difference(setup, trimmed_hf):
     vocabulary and moments carried into padding rows each stop with one sentence and exit 2."""
     import dataclasses
 
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import init_from
     from olmo3eqx.config import load_yaml
     from olmo3eqx.errors import ConfigError
     from olmo3eqx.sharding import build_layout
@@ -459,7 +459,7 @@ def test_init_from_refuses_any_other_shape_difference(setup, trimmed_hf):
         tcfg = dataclasses.replace(base, model=dataclasses.replace(base.model, **model))
         target = build_layout(tcfg).state_target()  # refused before any array is built: no fresh state needed
         with pytest.raises(ConfigError) as e:
-            checkpoint.init_from(ckpt, target, target, with_optimizer=with_optimizer)
+            init_from(ckpt, target, target, with_optimizer=with_optimizer)
         code, sentence = exits.exit_code(e.value)
         assert code == exits.BAD_INPUT and sentence.count(". ") == 0 and sentence.endswith(".")
         return sentence

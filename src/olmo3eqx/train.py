@@ -272,7 +272,8 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     import jax
 
     from olmo3eqx import distributed, flops, jaxenv, metrics, storage
-    from olmo3eqx.checkpoint import STORAGE_ERRNOS, Checkpointer, storage_errno, tree_bytes
+    from olmo3eqx.checkpoint.checkpointer import Checkpointer, tree_bytes
+    from olmo3eqx.checkpoint.failures import STORAGE_ERRNOS, storage_errno
     from olmo3eqx.config import chip_remat, dump_yaml, for_chip, to_dict
     from olmo3eqx.profiling import StepProfiler
     from olmo3eqx.sharding import build_layout
@@ -449,7 +450,8 @@ def close_all(closers, failing: bool) -> None:
 def starting_point(cfg: TrainConfig, layout, checkpointer, note):
     """(steps done, train state, data-iterator state or None): resumed from the newest checkpoint that loads, else
     fresh (with init_from's weights, and moments with init_optimizer)."""
-    from olmo3eqx import checkpoint, storage
+    import olmo3eqx.checkpoint.model as checkpoint
+    from olmo3eqx import storage
 
     resumed = checkpointer.restore_latest(layout.state_target(), cfg.model, warn=note)
     if resumed is not None:

@@ -101,7 +101,8 @@ def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl:
 
     import jax.numpy as jnp
 
-    from olmo3eqx import checkpoint, hf
+    from olmo3eqx import hf
+    from olmo3eqx.checkpoint.model import save_model_leaves
     from olmo3eqx.hf.weights import iter_leaves, load_weights, open_hf
 
     _refuse_existing(out, "Output checkpoint")
@@ -121,7 +122,7 @@ def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl:
             print(f"warning: {msg} Writing anyway (--force).", file=sys.stderr)
     cfg = dataclasses.replace(weights.cfg, param_dtype=dtype, compute_dtype=dtype)
     leaves = iter_leaves(weights, conversion_shardings(cfg), dtype)
-    checkpoint.save_model_leaves(out, cfg, released_between(leaves), step=0)
+    save_model_leaves(out, cfg, released_between(leaves), step=0)
     print(f"wrote {out} (step 0, {dtype})")
 
 
@@ -138,17 +139,17 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
         dtype: Stored dtype; default the checkpoint's param_dtype.
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
     """
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.model import open_model, restore_model_leaf
     from olmo3eqx.hf import weights
     from olmo3eqx.model import abstract_model
 
     _refuse_existing(out, "Output directory")
-    root, step, cfg = checkpoint.open_model(ckpt)
+    root, step, cfg = open_model(ckpt)
     abstract = abstract_model(cfg)
 
     def leaf(path: tuple[str, ...]):
         hostmem.release_freed_memory()  # what the previous leaf's restore left in malloc's arenas
-        return checkpoint.restore_model_leaf(root, step, path, weights.leaf_of(abstract, path))
+        return restore_model_leaf(root, step, path, weights.leaf_of(abstract, path))
 
     with staged(out) as local:
         files = weights.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
@@ -185,10 +186,11 @@ def parity(hf_dir: Path, ckpt: str | Path, seq_len: int = 128, batch: int = 2, d
         seed: Seed of the random tokens.
         max_kl: If given, exit 1 when the mean KL exceeds it.
     """
-    from olmo3eqx import checkpoint, hf
+    from olmo3eqx import hf
+    from olmo3eqx.checkpoint.model import load_model
     from olmo3eqx.hf import config_json
 
-    model, cfg = checkpoint.load_model(ckpt)
+    model, cfg = load_model(ckpt)
     hf_cfg = config_json.read_hf_architecture(hf_dir, cfg)
     diff = config_json.config_mismatches(hf_cfg, cfg)
     if diff:

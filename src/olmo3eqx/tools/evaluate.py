@@ -104,7 +104,7 @@ class Setup:
 def setup(args: Args) -> Setup:
     """Load the checkpoint `args.ckpt` names (the newest step of a run), resolve what to evaluate, build the
     evaluator (sets and tasks read and tokenized once)."""
-    from olmo3eqx.checkpoint import load_any
+    from olmo3eqx.checkpoint.model import load_any
     from olmo3eqx.config import DataConfig, EvalConfig
     from olmo3eqx.evaluator import build_evaluator
     from olmo3eqx.sharding import data_parallel_size, model_shardings, node_mesh
@@ -195,10 +195,11 @@ def evaluate_all(args: Args) -> None:
     spec are skipped."""
     import jax
 
-    from olmo3eqx import checkpoint
+    from olmo3eqx.checkpoint.layout import complete_steps
+    from olmo3eqx.checkpoint.model import restore_model
     from olmo3eqx.errors import ConfigError
 
-    root, steps = checkpoint.complete_steps(args.ckpt)
+    root, steps = complete_steps(args.ckpt)
     if args.out:
         raise ConfigError("--out names one file; --all-checkpoints writes <run>/eval/step_<N>.json per step.")
     run_dir = root.parent if root.name == "checkpoints" else root
@@ -213,7 +214,7 @@ def evaluate_all(args: Args) -> None:
     if todo != [s.step]:
         s.model = None  # one model in memory at a time: each step, the newest too, restored in its turn
     for step in todo:
-        model = s.model if s.model is not None else checkpoint.restore_model(root, step, cfg, s.shardings)
+        model = s.model if s.model is not None else restore_model(root, step, cfg, s.shardings)
         write(score(s, model, step, str(root / str(step))), out=outs[step], evaluator=s.evaluator)
         del model
 

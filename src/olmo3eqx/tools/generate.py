@@ -124,7 +124,7 @@ def run(args: Args) -> int:
     distributed.initialize(DistConfig())  # before anything touches a device
     import jax
 
-    from olmo3eqx.checkpoint import load_any
+    from olmo3eqx.checkpoint.model import load_any
     from olmo3eqx.data.chat import ChatTokenizer
     from olmo3eqx.sharding import node_mesh
     from olmo3eqx.tasks import Tokenizer

@@ -43,7 +43,7 @@ class OLMo3EqxLM(LM):
     def __init__(self, ckpt: str, tokenizer: str | None = None, max_length: int | str | None = None,
                  batch_size: int | str | None = None, dtype: str | None = None, **_harness_kwargs):
         super().__init__()
-        from olmo3eqx.checkpoint import load_any
+        from olmo3eqx.checkpoint.model import load_any
         from olmo3eqx.evaluator import ShardedScorer
         from olmo3eqx.sharding import data_parallel_size, model_shardings, node_mesh
         from olmo3eqx.tasks import Tokenizer
