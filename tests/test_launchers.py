@@ -1,0 +1,118 @@
+"""What real launchers do to a supervised run (`train.py --until-done`), with their real signals sent to the real
+processes they reach: slurmstepd (SIGTERM to every process of the step, then SIGKILL to whatever is left once the
+task's main process has exited), Kubernetes and `docker stop` (SIGTERM to the container's main process, SIGKILL to
+everything after the grace period), a terminal or SSH session that hangs up (SIGHUP to its foreground process group),
+the supervisor SIGKILLed. The supervisor's decisions are tested over a stand-in command in test_supervise."""
+
+import os
+import signal
+import subprocess
+
+from test_faults import KILL_CONFIG, committed, resumed_step, shared, train_cmd, trainer_env, write_config  # noqa: F401
+from test_supervise import alive, descendants, leftovers  # noqa: F401
+from test_train import losses, wait_for, logged_step
+
+STEPS = 100
+CONFIG = KILL_CONFIG.replace("STEPS", str(STEPS)).replace("{every: 2, keep: 2}", "{every: 100000, keep: 2}")
+"""test_faults' small model (steps of milliseconds), no periodic checkpoint: the only one is the preemption's."""
+GRACE_S = 120
+"""How long a test waits for the stopped run, as a launcher's grace period before its SIGKILL."""
+
+
+def supervised(tmp_path, shared, run_dir, *extra: str) -> subprocess.Popen:
+    """`train.py --until-done` in a session of its own (a step's or a terminal's process group), once it trains."""
+    cfg = write_config(tmp_path / "run.yaml", CONFIG, shared)
+    sup = subprocess.Popen([*train_cmd(cfg, run_dir), "--until-done", "--retry-backoff", "0", *extra],
+                           env=trainer_env(shared), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: logged_step(run_dir) >= 2, sup)
+    return sup
+
+
+def checkpoints(run_dir) -> list[int]:
+    return committed(run_dir / "e2e" / "checkpoints")
+
+
+def slurmstepd_stop(task: subprocess.Popen) -> list[int]:
+    """What slurmstepd does on scancel, preemption or the time limit: SIGTERM to every process of the step (the cgroup
+    holds the task and all it started, whatever their process groups), then, once the task's main process has exited
+    (`_wait_for_all_tasks`), SIGKILL to whatever is left (`proctrack_g_signal(..., SIGKILL)`). Returns the
+    processes that SIGKILL found."""
+    step = {task.pid, *descendants(task.pid)}
+    for pid in sorted(step):
+        os.kill(pid, signal.SIGTERM)
+    try:
+        task.wait(timeout=GRACE_S)  # SLURM's KillWait would SIGKILL everything after this
+    except subprocess.TimeoutExpired:
+        pass
+    left = [pid for pid in step | set(descendants(task.pid)) if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_slurmstepd_preemption_checkpoints_and_the_requeued_run_resumes_bit_identically(tmp_path, shared, leftovers):
+    """`srun python train.py ... --until-done` preempted: the trainer writes its checkpoint before the supervisor
+    exits (nothing is left for slurmstepd's SIGKILL), nothing is relaunched, and the requeued command resumes from
+    that checkpoint and logs the same losses as an uninterrupted run."""
+    run_dir = tmp_path / "preempted"
+    task = supervised(tmp_path, shared, run_dir)
+    for pid in descendants(task.pid):
+        leftovers(pid)
+    killed = slurmstepd_stop(task)
+    err = task.stderr.read()
+    assert checkpoints(run_dir), f"no checkpoint; SIGKILLed: {killed}\n{err[-3000:]}"
+    (saved,) = checkpoints(run_dir)
+    assert task.returncode == 75 and not killed and saved < STEPS, err[-3000:]
+    assert f"SIGTERM received: checkpoint {saved} written" in err and "launch 2" not in err
+    requeued = subprocess.run(task.args, env=trainer_env(shared), capture_output=True, text=True, timeout=600)
+    assert requeued.returncode == 0 and resumed_step(requeued.stderr) == saved, requeued.stderr[-3000:]
+    reference = tmp_path / "uninterrupted"
+    plain = subprocess.run(train_cmd(tmp_path / "run.yaml", reference), env=trainer_env(shared), capture_output=True,
+                           text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert losses(run_dir) == losses(reference) and sorted(losses(reference)) == list(range(1, STEPS + 1))
+
+
+def test_sigterm_to_the_supervisor_alone_leaves_a_checkpoint_and_no_process(tmp_path, shared, leftovers):
+    """Kubernetes or `docker stop` stops the container's main process, the supervisor: the trainer gets SIGTERM from
+    it, saves and exits, and the supervisor exits 75 after it, before the grace period's SIGKILL."""
+    run_dir = tmp_path / "pod"
+    sup = supervised(tmp_path, shared, run_dir, "--steps", "100000")  # hours of steps: only a stop ends it
+    trainer = descendants(sup.pid)
+    for pid in trainer:
+        leftovers(pid)
+    os.kill(sup.pid, signal.SIGTERM)
+    sup.wait(timeout=GRACE_S)
+    outlived = [pid for pid in trainer if alive(pid)]
+    for pid in outlived:  # the grace period's SIGKILL
+        os.kill(pid, signal.SIGKILL)
+    err = sup.stderr.read()
+    assert not outlived, f"the trainer outlived its supervisor\n{err[-3000:]}"
+    assert sup.returncode == 75 and len(checkpoints(run_dir)) == 1, err[-3000:]
+    assert "SIGTERM received: passing SIGTERM on" in err and "not relaunching" in err
+
+
+def test_a_hangup_checkpoints_and_exits_75(tmp_path, shared, leftovers):
+    """The terminal or SSH session of a run in its foreground goes away: the kernel sends SIGHUP to the foreground
+    process group, the supervisor and the trainer; the trainer saves and exits 75, as on SIGTERM."""
+    run_dir = tmp_path / "hangup"
+    sup = supervised(tmp_path, shared, run_dir, "--steps", "100000")
+    for pid in descendants(sup.pid):
+        leftovers(pid)
+    os.killpg(sup.pid, signal.SIGHUP)
+    _, err = sup.communicate(timeout=GRACE_S)
+    assert sup.returncode == 75 and len(checkpoints(run_dir)) == 1, err[-3000:]
+    assert f"SIGHUP received: checkpoint {checkpoints(run_dir)[0]} written" in err and "not relaunching" in err
+
+
+def test_the_trainer_of_a_sigkilled_supervisor_saves_and_exits(tmp_path, shared, leftovers):
+    """The supervisor SIGKILLed (the OOM killer, `kill -9`): the kernel sends the trainer SIGTERM (across its
+    host-allocator re-exec), so it saves and exits instead of training on as an orphan."""
+    run_dir = tmp_path / "orphan"
+    sup = supervised(tmp_path, shared, run_dir, "--steps", "100000")
+    for pid in descendants(sup.pid):
+        leftovers(pid)
+    sup.kill()
+    _, err = sup.communicate(timeout=GRACE_S)  # the trainer holds the same stderr: it ends when the trainer does
+    assert len(checkpoints(run_dir)) == 1, err[-3000:]
+    assert f"SIGTERM received: checkpoint {checkpoints(run_dir)[0]} written; exiting to be resumed." in err
