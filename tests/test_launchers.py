@@ -4,13 +4,22 @@ task's main process has exited), Kubernetes and `docker stop` (SIGTERM to the co
 everything after the grace period), a terminal or SSH session that hangs up (SIGHUP to its foreground process group),
 the supervisor SIGKILLed. The supervisor's decisions are tested over a stand-in command in test_supervise."""
 
+import fcntl
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
+import sys
+import termios
+import time
+
+import pytest
 
 from test_faults import KILL_CONFIG, committed, resumed_step, shared, train_cmd, trainer_env, write_config  # noqa: F401
-from test_supervise import alive, descendants, leftovers  # noqa: F401
-from test_train import losses, wait_for, logged_step
+from test_supervise import STAND_IN, alive, descendants, leftovers, received  # noqa: F401
+from test_train import ROOT, logged_step, losses, wait_for
 
 STEPS = 100
 CONFIG = KILL_CONFIG.replace("STEPS", str(STEPS)).replace("{every: 2, keep: 2}", "{every: 100000, keep: 2}")
@@ -116,3 +125,72 @@ def test_the_trainer_of_a_sigkilled_supervisor_saves_and_exits(tmp_path, shared,
     _, err = sup.communicate(timeout=GRACE_S)  # the trainer holds the same stderr: it ends when the trainer does
     assert len(checkpoints(run_dir)) == 1, err[-3000:]
     assert f"SIGTERM received: checkpoint {checkpoints(run_dir)[0]} written; exiting to be resumed." in err
+
+
+# --- the gcloud recipes of docs/multi-host.md and docs/tpu-pod.md, run as `tpu-vm ssh --command` runs them -------
+
+def gcloud_train_commands() -> list[tuple[str, str]]:
+    """(page, the command `tpu-vm ssh --worker=all` runs on every worker) of each page's gcloud block that trains."""
+    found = []
+    for page in ("multi-host.md", "tpu-pod.md"):
+        for block in re.findall(r"^```bash\n(.*?)^```", (ROOT / "docs" / page).read_text(), re.S | re.M):
+            words = shlex.split(block.replace("\\\n", " "))
+            if words[:4] == ["gcloud", "compute", "tpus", "tpu-vm"] and "--command" in words:
+                remote = words[words.index("--command") + 1]
+                if "train.py" in remote:
+                    found.append((page, remote))
+    return found
+
+
+def session_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[3])
+
+
+@pytest.mark.parametrize("page, remote", gcloud_train_commands(), ids=lambda v: v if v.endswith(".md") else "")
+def test_the_gcloud_recipe_keeps_training_when_the_ssh_session_drops(tmp_path, page, remote, leftovers):
+    """The page's command run as sshd runs it, in a session of its own on a terminal, with `.venv/bin/python` a
+    stand-in that records the signals it gets: the run is detached from that session (the session's hangup, the
+    kernel's SIGHUP to its leader and foreground process group, cannot reach it), and a hangup of its own terminal
+    (`tmux kill-session`) reaches it as SIGHUP."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    venv = tmp_path / "olmo3eqx" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    (venv / "python").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\n'
+                                 f'exec {sys.executable} {tmp_path}/stand_in.py {tmp_path} SIGHUP\n')
+    (venv / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+    env["TMUX_TMPDIR"] = str(tmp_path)  # a tmux server of this test's own
+    master, terminal = os.openpty()
+
+    def login_session():  # sshd: a new session whose controlling terminal is the pty
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    ssh = subprocess.Popen(["bash", "-c", remote], cwd=tmp_path, env=env, stdin=terminal, stdout=terminal,
+                           stderr=terminal, start_new_session=True, preexec_fn=login_session)
+    os.close(terminal)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid").is_file():
+            assert time.monotonic() < deadline, f"{page}: the command never started the trainer"
+            time.sleep(0.05)
+        trainer = int((tmp_path / "pid").read_text())
+        leftovers(trainer)
+        assert "train.py" in (tmp_path / "argv").read_text() and "--until-done" in (tmp_path / "argv").read_text()
+        assert session_of(trainer) != ssh.pid, f"{page}: the trainer runs in the SSH session, which a drop hangs up"
+        os.close(master)  # the connection drops: the session's terminal hangs up
+        master = None
+        ssh.wait(timeout=60)
+        assert alive(trainer) and not received(tmp_path), f"{page}: the dropped session reached the trainer"
+        subprocess.run(["tmux", "kill-session", "-t", "train"], env=env, check=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while alive(trainer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert received(tmp_path) == ["SIGHUP"] and not alive(trainer)
+    finally:
+        if master is not None:
+            os.close(master)
+        if ssh.poll() is None:
+            ssh.kill()
+        subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=60)
