@@ -194,3 +194,20 @@ def test_the_gcloud_recipe_keeps_training_when_the_ssh_session_drops(tmp_path, p
         if ssh.poll() is None:
             ssh.kill()
         subprocess.run(["tmux", "kill-server"], env=env, capture_output=True, timeout=60)
+
+
+def test_a_hangup_of_one_process_of_two_stops_both_at_one_step(tmp_path, shared):
+    """Two jax.distributed processes, SIGHUP to one (the SSH session of one worker dropped): it becomes the SIGTERM
+    JAX's preemption notifier takes, the coordination service picks one step, and both write that checkpoint and
+    exit 75."""
+    from test_multihost import finish, launch
+
+    cfg = write_config(tmp_path / "run.yaml", CONFIG, shared)
+    run_dir = tmp_path / "two"
+    procs = launch(cfg, run_dir, 2, "--steps", "100000", "--data.global-batch", "4")
+    wait_for(lambda: logged_step(run_dir) >= 2, procs[0])
+    procs[1].send_signal(signal.SIGHUP)
+    (code0, err0), (code1, err1) = finish(procs, timeout=GRACE_S)
+    assert (code0, code1) == (75, 75), err0[-2000:] + err1[-2000:]
+    (saved,) = checkpoints(run_dir)
+    assert f"SIGTERM received: checkpoint {saved} written" in err0  # process 0 logs, for both
