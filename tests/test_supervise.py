@@ -95,10 +95,11 @@ launches = here / "launches"
 launches.write_text(str(int(launches.read_text()) + 1 if launches.exists() else 1))
 got = []
 
-def handle(signum, frame):
-    got.append(signal.Signals(signum).name)
+def handle(signum, frame):  # another signal's handler may run inside this one
+    name = signal.Signals(signum).name
+    got.append(name)
     with open(here / "signals", "a") as f:
-        f.write(got[-1] + "\\n")
+        f.write(name + "\\n")
 
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, handle)
