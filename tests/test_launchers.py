@@ -211,3 +211,22 @@ def test_a_hangup_of_one_process_of_two_stops_both_at_one_step(tmp_path, shared)
     assert (code0, code1) == (75, 75), err0[-2000:] + err1[-2000:]
     (saved,) = checkpoints(run_dir)
     assert f"SIGTERM received: checkpoint {saved} written" in err0  # process 0 logs, for both
+
+
+def test_the_trainer_takes_sigterm_and_sighup_any_number_of_times_and_stops_at_once_on_a_second_sigint():
+    """A trainer's signals arrive in copies (slurmstepd's beside the supervisor's): SIGTERMs and one Ctrl-C ask for
+    one checkpoint; only a second SIGINT (Ctrl-C twice) stops at once; SIGHUP is a preemption as SIGTERM is."""
+    from olmo3eqx.train import Preemption
+
+    with Preemption(multiprocess=False) as preemption:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)
+        except KeyboardInterrupt:
+            pytest.fail(f"{signal.Signals(sig).name} after the SIGTERMs stopped the trainer at once")
+        assert preemption.check(1) == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    with Preemption(multiprocess=False) as preemption:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert preemption.check(1) == "SIGHUP"
