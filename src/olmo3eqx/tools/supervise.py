@@ -90,8 +90,8 @@ def held_signals():
     same wait, so nothing polls. One that arrives after the last wait is taken here too: the supervisor is exiting,
     which is what it asks for."""
     if not hasattr(signal, "sigtimedwait"):
-        raise ConfigError("--until-done needs Linux (it waits for signals with sigtimedwait and has the kernel stop "
-                          "the trainer when the supervisor dies); run train.py without it here.")
+        raise ConfigError("The supervisor (--until-done) needs Linux: it waits for signals with sigtimedwait and "
+                          "has the kernel stop the trainer when the supervisor dies; run train.py without it here.")
     held = STOP_SIGNALS | {signal.SIGCHLD}
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
