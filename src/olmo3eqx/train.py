@@ -41,8 +41,11 @@ Entry flags (before the others):
   --retry-backoff S       with --until-done: seconds to wait after a crash or storage failure (default 300)
   --max-restarts N        with --until-done: give up after more than N failures within 24 h; preemptions do not
                           count (default 20)
+  --stop-timeout S        with --until-done: a stop signal the supervisor receives (SIGTERM, SIGINT, SIGHUP) is passed
+                          on as SIGTERM and nothing is relaunched; seconds to wait for the preemption checkpoint
+                          before killing the trainer (default 600)
 """
-SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1}
+SUPERVISOR_FLAGS = {"--until-done": 0, "--retry-backoff": 1, "--max-restarts": 1, "--stop-timeout": 1}
 DATA_ORDER_DIR = "data_order"
 """Under the run directory: data.order olmo-core's per-epoch global indices, built once, shared by the processes."""
 
@@ -56,6 +59,7 @@ def parse_args(argv: list[str] | None = None):
     pre.add_argument("--until-done", action="store_true")
     pre.add_argument("--retry-backoff", type=float, default=300.0)
     pre.add_argument("--max-restarts", type=int, default=20)
+    pre.add_argument("--stop-timeout", type=float, default=600.0)
     opts, rest = pre.parse_known_args(argv)
     from olmo3eqx.aot import gpu_node
 
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         from olmo3eqx.tools.supervise import run_until_done
 
         return run_until_done([sys.executable, "-m", "olmo3eqx.train", *child_args(argv)],
-                              backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts)
+                              backoff_s=opts.retry_backoff, max_restarts=opts.max_restarts,
+                              stop_timeout_s=opts.stop_timeout)
     if opts.target and not cfg.dry_run:
         from olmo3eqx.errors import ConfigError
 
@@ -209,34 +214,45 @@ def attention_backend(cfg, layout, gpu=None) -> str:
 
 
 class Preemption:
-    """SIGTERM/SIGINT: finish the current step, write a checkpoint, exit with exits.PREEMPTED.
+    """SIGTERM/SIGHUP/SIGINT: finish the current step, write a checkpoint, exit with exits.PREEMPTED.
+
+    SIGHUP (the terminal or SSH session that started the trainer went away) is a preemption as SIGTERM is: the
+    default action would kill every worker without a checkpoint. A signal may arrive more than once (slurmstepd
+    signals every process of the step and `--until-done` passes its own on): SIGTERM and SIGHUP are taken any number
+    of times; a second SIGINT (Ctrl-C twice) stops at once.
 
     With several processes, JAX's own preemption notifier (installed by `jax.distributed`) catches SIGTERM and the
     coordination service picks one step at which every process stops (`reached_preemption_sync_point`); a local
-    handler would let processes stop at different steps and deadlock in the next collective."""
+    handler would let processes stop at different steps and deadlock in the next collective. SIGHUP is turned into
+    a SIGTERM to this process for that notifier."""
 
     def __init__(self, multiprocess: bool):
         self.multiprocess = multiprocess
-        self.requested = None
+        self.requested = None  # the first stop signal's name
+        self._seen = set()
         self._old = {}
 
     def __enter__(self):
-        signals = (signal.SIGINT,) if self.multiprocess else (signal.SIGTERM, signal.SIGINT)
+        signals = (signal.SIGINT, signal.SIGHUP) if self.multiprocess else (signal.SIGTERM, signal.SIGINT,
+                                                                            signal.SIGHUP)
         for sig in signals:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT or self.multiprocess:
+        if signum == signal.SIGINT and (signum in self._seen or self.multiprocess):
             raise KeyboardInterrupt  # a second Ctrl-C (or any Ctrl-C of one process of many) stops at once
-        self.requested = signal.Signals(signum).name
+        self._seen.add(signum)
+        self.requested = self.requested or signal.Signals(signum).name
+        if self.multiprocess:  # SIGHUP: JAX's notifier agrees on the step
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def check(self, step: int) -> str | None:
         """The signal to stop on after `step`, agreed by all processes; None to go on."""
         if self.multiprocess:
             from jax.experimental import multihost_utils
 
-            return "SIGTERM" if multihost_utils.reached_preemption_sync_point(step) else None
+            return (self.requested or "SIGTERM") if multihost_utils.reached_preemption_sync_point(step) else None
         return self.requested
 
     def __exit__(self, *exc):
