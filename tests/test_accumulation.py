@@ -71,6 +71,16 @@ def assert_same_numbers(cfg_a, cfg_b):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
 
 
+def test_splash_attention_runs_in_the_replica_region():
+    """Splash (TPU's kernel, interpreted on CPU) runs in its own shard_map, nested in the per-replica region over the
+    rows left to it (fsdp): same numbers with and without accumulation."""
+    def splash(accum):
+        cfg = two_nodes(accum)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="splash"))
+
+    assert_same_numbers(splash(1), splash(2))
+
+
 def test_accumulation_does_not_multiply_the_bytes_that_cross_nodes(monkeypatch):
     """Accumulation 4 sends across nodes what accumulation 1 does (the loss's scalars aside): before, every
     micro-batch's gradients were all-reduced over data (4x). The loss in chunks (a small LOGITS_BUDGET) runs the
