@@ -5,6 +5,8 @@ micro-batch adds sum(loss) / (labelled tokens in the global batch), so the resul
 sharding or accumulation (up to floating-point reassociation). Packed batches (data.packing) add segment ids
 (attention within documents) and a label mask (no loss on padding); their mean is still the global token mean over
 the labelled tokens, where OLMo-core averages per-rank token means (equal only when every rank holds as many).
+Over a data axis (across nodes or slices) the gradients are summed per data replica and reduced over data once a
+step, whatever the accumulation (`per_replica`).
 """
 
 from __future__ import annotations
