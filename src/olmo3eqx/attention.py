@@ -229,15 +229,19 @@ def splash_attention(
     if not mesh.empty and mesh.size > 1:
         spec = shard_spec(mesh, q.shape, k.shape[-2])
         specs = (spec,) * 3 + ((P(spec[0]),) if segment_ids is not None else ())  # segments split as the batch
-        per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
+        auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # nested in the step's per-replica region
+        per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto,
+                                  check_vma=False)
     return per_shard(*args)[..., :seq, :, :]
 
 
 def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:
     """How splash's inputs [*batch, seq, heads, dim] are split under `mesh`: the first batch axis over the mesh's
-    data-parallel axes and the heads over `tensor`, where they divide; the rest is whole on every device."""
+    data-parallel axes (those not manual already: in the step's per-replica region the rows are one data replica's)
+    and the heads over `tensor`, where they divide; the rest is whole on every device."""
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    batch_axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    batch_axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1 and a not in manual)
     spec: list = [None] * len(shape)
     if len(shape) > 3 and batch_axes and shape[0] % math.prod(sizes[a] for a in batch_axes) == 0:
         spec[0] = batch_axes

@@ -46,11 +46,14 @@ def loss_chunk(batch: int, seq: int, vocab: int) -> int:
 
 def local_rows(batch: int) -> int:
     """Rows of a [batch, ...] array on each device when traced under a mesh (olmo3eqx.sharding.on_mesh), whose
-    batch axes (data x fsdp) split it; `batch` itself outside a mesh or when they do not divide it."""
+    batch axes (data x fsdp, those not manual: precision.row_axes) split it; `batch` itself outside a mesh or when
+    they do not divide it."""
+    from olmo3eqx import precision
+
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return batch
-    shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp"))
+    shards = math.prod(mesh.shape[axis] for axis in precision.row_axes())
     return batch // shards if batch % shards == 0 else batch
 
 
@@ -120,14 +123,15 @@ def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool, gathe
     compute dtype once, before the loop, and holds it as float32, so each chunk's contribution to its gradient adds
     into a float32 sum on the device; after the loop that sum is reduce-scattered over fsdp (within a node or slice)
     and, as the transpose of the shard_map over a weight replicated across data, all-reduced over data on the shard
-    (across them): once a step, in float32, in HSDP's order. Without `gather` (evaluation: no gradient) `lm_head` is
+    (across them): once a step, in float32, in HSDP's order; inside the step's per-replica region (step.per_replica,
+    `data` already manual) the rows are the replica's, split over fsdp, and that all-reduce is the region's, once
+    after the micro-batches. Without `gather` (evaluation: no gradient) `lm_head` is
     the gathered weight, replicated."""
     from jax.sharding import PartitionSpec as P
 
     from olmo3eqx import precision
-    from olmo3eqx.specs import BATCH_AXES
 
-    rows = P(BATCH_AXES)
+    rows = P(precision.row_axes())
     spec = precision.param_spec(("lm_head", "weight"), lm_head.shape) if gather else P()
     dim = precision.fsdp_dim(spec)
     dtype = hidden.dtype
@@ -144,7 +148,8 @@ def per_device(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool, gathe
     def local(h, w, y):
         return map_chunks(fn, h, w if dim is None else gathered(w), y, chunk, remat)
 
-    return jax.shard_map(local, in_specs=(rows, spec, rows), out_specs=rows, check_vma=False)(hidden, lm_head, ys)
+    return jax.shard_map(local, in_specs=(rows, spec, rows), out_specs=rows, axis_names=precision.auto_axes(),
+                         check_vma=False)(hidden, lm_head, ys)
 
 
 def token_losses(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -174,13 +175,29 @@ def fsdp_dim(spec: P) -> int | None:
     return next((i for i, e in enumerate(spec) if e == "fsdp" or (isinstance(e, tuple) and "fsdp" in e)), None)
 
 
+def row_axes() -> tuple[str, ...]:
+    """The batch axes (data, fsdp) of the mesh in context that still split the traced rows: those not already manual.
+    Inside the step's per-replica region (step.per_replica, `data` manual) the rows are one data replica's, split
+    over fsdp alone, and a shard_map nested there names no manual axis."""
+    from olmo3eqx.specs import BATCH_AXES
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names and a not in mesh.manual_axes)
+
+
+def auto_axes() -> frozenset[str]:
+    """The axes of the mesh in context that a nested shard_map may make manual (those not manual already)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+
+
 def rows_split(rows: int) -> bool:
-    """Whether the mesh in context splits `rows` over its batch axes (data x fsdp, more than one device) with no
+    """Whether the mesh in context splits `rows` over its batch axes (`row_axes`, more than one device) with no
     tensor split: then each device's rows can be worked on the device (`hierarchical`, loss.per_device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1:
         return False
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = math.prod(mesh.shape[a] for a in row_axes())
     return shards > 1 and rows % shards == 0
 
 
@@ -194,16 +211,17 @@ def hierarchical(partial, spec: P, *args: Array) -> Array:
     contribution (the weight's full shape), reduce-scattered over fsdp (within a node or slice) and then all-reduced
     over data (across them, on the shard), the order OLMo-core's HSDP reduces in; laid out as `spec`. `args` are
     split over the batch axes on their first dimension."""
-    from olmo3eqx.specs import BATCH_AXES
-
     dim = fsdp_dim(spec)
     sizes = jax.sharding.get_abstract_mesh().shape
+    axes = row_axes()
 
     def local(*xs):
         g = partial(*xs)
         if sizes["fsdp"] > 1:
             g = jax.lax.psum(g, "fsdp") if dim is None else jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim,
                                                                                   tiled=True)
-        return jax.lax.psum(g, "data") if sizes["data"] > 1 else g
+        # data manual already (step.per_replica): the replica's sum, reduced over data once a step there
+        return jax.lax.psum(g, "data") if "data" in axes and sizes["data"] > 1 else g
 
-    return jax.shard_map(local, in_specs=tuple(P(BATCH_AXES) for _ in args), out_specs=spec, check_vma=False)(*args)
+    return jax.shard_map(local, in_specs=tuple(P(axes) for _ in args), out_specs=spec, axis_names=auto_axes(),
+                         check_vma=False)(*args)

@@ -5,6 +5,8 @@ micro-batch adds sum(loss) / (labelled tokens in the global batch), so the resul
 sharding or accumulation (up to floating-point reassociation). Packed batches (data.packing) add segment ids
 (attention within documents) and a label mask (no loss on padding); their mean is still the global token mean over
 the labelled tokens, where OLMo-core averages per-rank token means (equal only when every rank holds as many).
+Over a data axis (across nodes or slices) the gradients are summed per data replica and reduced over data once a
+step, whatever the accumulation (`per_replica`).
 """
 
 from __future__ import annotations
@@ -44,45 +46,87 @@ def micro_batch_loss(params, tokens: Int[Array, "m s"], mask: Float[Array, " m"]
     return (ce + z) / total, (ce, z)
 
 
-def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
-    """jit(train_step(state, tokens, mask[, segment_ids, label_mask]) -> (state, metrics)), state donated,
-    shardings explicit; the packed arguments exactly when layout.packed (layout.put_batch gives them)."""
-    ocfg: OptimConfig = cfg.optim
-    optimizer, plan, mesh, shardings = layout.optimizer, layout.plan, layout.mesh, layout.shardings
-    check_blocked_memory(cfg, layout)
-    schedule = optim.lr_schedule(ocfg, cfg.steps)
-    micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
-    param_shardings = shardings.model
+def per_replica(layout: Layout) -> bool:
+    """Whether the step sums its gradients per data replica and reduces them over `data` once (`gradients`): on a
+    mesh with data > 1 and no tensor axis. Left to the partitioner, each micro-batch's constraint to the parameter
+    shardings all-reduces over data (across nodes) every micro-batch, and the gradients no hand-written path reduces
+    (the replicated norm weights, float32 compute's) are reduced over data and fsdp at once. With a tensor axis the
+    region does not compile: XLA's SPMD partitioner (jax 0.10.2) fails a check (ExpandDeviceGroupsWithIota) on the
+    loss's and the embedding's gathers and scatters over a tensor-split operand when `data` is manual."""
+    sizes = dict(layout.mesh.shape)
+    return sizes.get("data", 1) > 1 and sizes.get("tensor", 1) == 1
 
-    def train_step(state: TrainState, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
-                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
-        params = cast_floating(state.model, jnp.float32)  # differentiate w.r.t. float32: fp32 grads
+
+def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
+    """gradients(params, tokens, mask, segment_ids, label_mask) -> (grads, CE sum, z-loss sum, labelled tokens) of
+    a global batch in float32 params, grads laid out like the parameters, traced under layout's mesh (on_mesh).
+
+    Per micro-batch the gradient is reduced to the parameter shardings (over fsdp and tensor, within a node) and
+    added into the accumulator. With `per_replica` the micro-batch loop runs in a shard_map that makes only `data`
+    manual: each data replica sums its own micro-batches, and one float32 psum over data after the loop reduces
+    them (as OLMo-core's set_requires_all_reduce on the last micro-batch, and MaxText's gradients unreduced on
+    data), so the bytes that cross nodes a step are those of one micro-batch."""
+    ocfg: OptimConfig = cfg.optim
+    plan, mesh = layout.plan, layout.mesh
+    micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    param_specs = jax.tree.map(lambda s: s.spec, layout.shardings.model)
+    grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
+
+    def accumulated(params, total, micro_tokens, micro_mask, micro_packed):
+        def micro_grads(t, m, packed):
+            """(grads laid out like the parameters, CE sum, z-loss sum) of one micro-batch."""
+            (_, (ce, z)), g = grad_fn(params, t, m, ocfg.z_loss, total, *packed)
+            return jax.lax.with_sharding_constraint(eqx.filter(g, eqx.is_array), param_specs), ce, z
+
+        def accumulate(carry, xs):
+            grads, ce_sum, z_sum = carry
+            g, ce, z = micro_grads(*xs)
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), param_specs)
+            return (grads, ce_sum + ce, z_sum + z), None
+
+        if plan.accum_steps == 1:  # no accumulator to zero and add into
+            first = tuple(None if x is None else x[0] for x in micro_packed)
+            return micro_grads(micro_tokens[0], micro_mask[0], first)
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
+        return jax.lax.scan(accumulate, (zeros, jnp.zeros(()), jnp.zeros(())),
+                            (micro_tokens, micro_mask, micro_packed))[0]
+
+    def gradients(params, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
+                  segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
         total = jnp.maximum(jnp.sum(label_weights(tokens, mask, label_mask)), 1.0)
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
         micro_mask = split_micro(mask, plan.accum_steps)
         micro_packed = tuple(None if x is None else jax.lax.with_sharding_constraint(
             split_micro(x, plan.accum_steps), micro_sharding) for x in (segment_ids, label_mask))
+        if not per_replica(layout):
+            return (*accumulated(params, total, micro_tokens, micro_mask, micro_packed), total)
+        arrays, static = eqx.partition(params, eqx.is_array)
 
-        grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
+        def replica(arrays, total, *micro):
+            sums = accumulated(eqx.combine(arrays, static), total, *micro)
+            return jax.lax.psum(sums, "data")  # float32: the parameters are
 
-        def micro_grads(t, m, packed):
-            """(grads laid out like the parameters, CE sum, z-loss sum) of one micro-batch."""
-            (_, (ce, z)), g = grad_fn(params, t, m, ocfg.z_loss, total, *packed)
-            return jax.lax.with_sharding_constraint(eqx.filter(g, eqx.is_array), param_shardings), ce, z
+        rows = P(None, "data")  # the micro-batches' rows: this replica's, still split over fsdp inside
+        sums = jax.shard_map(replica, in_specs=(P(), P(), rows, rows, rows), out_specs=P(), axis_names={"data"},
+                             check_vma=False)(arrays, total, micro_tokens, micro_mask, micro_packed)
+        return (jax.lax.with_sharding_constraint(sums[0], param_specs), *sums[1:], total)
 
-        def accumulate(carry, xs):
-            grads, ce_sum, z_sum = carry
-            g, ce, z = micro_grads(*xs)
-            grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, g), param_shardings)
-            return (grads, ce_sum + ce, z_sum + z), None
+    return gradients
 
-        if plan.accum_steps == 1:  # no accumulator to zero and add into
-            first = tuple(None if x is None else x[0] for x in micro_packed)
-            grads, ce_sum, z_sum = micro_grads(micro_tokens[0], micro_mask[0], first)
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
-            (grads, ce_sum, z_sum), _ = jax.lax.scan(
-                accumulate, (zeros, jnp.zeros(()), jnp.zeros(())), (micro_tokens, micro_mask, micro_packed))
+
+def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
+    """jit(train_step(state, tokens, mask[, segment_ids, label_mask]) -> (state, metrics)), state donated,
+    shardings explicit; the packed arguments exactly when layout.packed (layout.put_batch gives them)."""
+    ocfg: OptimConfig = cfg.optim
+    optimizer, mesh, shardings = layout.optimizer, layout.mesh, layout.shardings
+    check_blocked_memory(cfg, layout)
+    schedule = optim.lr_schedule(ocfg, cfg.steps)
+    gradients = make_gradients(cfg, layout)
+
+    def train_step(state: TrainState, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
+                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
+        params = cast_floating(state.model, jnp.float32)  # differentiate w.r.t. float32: fp32 grads
+        grads, ce_sum, z_sum, total = gradients(params, tokens, mask, segment_ids, label_mask)
         ce_mean, z_mean = ce_sum / total, z_sum / total
         grad_norm = optim.global_norm(grads)
         step = state.step + 1
