@@ -8,11 +8,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 OK = 0
 PARITY_FAILED = 1
 """convert.py: the converted model's logits are further from `transformers`' than --max-kl allows."""
+UNEXPECTED = 1
+"""An exception the project does not expect (a bug): its traceback, and the status Python itself gives it."""
 BAD_INPUT = 2
 """Bad input (a missing file, a config that contradicts itself or a checkpoint, an optional extra not installed,
 another trainer holding the run or taking its lease over): one sentence on stderr, nothing lost. A relaunch would
@@ -97,24 +100,36 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def outcome(e: Exception) -> tuple[int, str]:
+    """(exit code, what the command prints on stderr) for an error `e` that ends a command: `error: <sentence>`, or
+    for an unexpected one a line naming the process and the traceback."""
+    known = exit_code(e)
+    if known is None:
+        return UNEXPECTED, (f"error{process_tag()}: the exception below stopped this process\n" +
+                            "".join(traceback.format_exception(e)).rstrip())
+    return known[0], f"error{process_tag()}: {known[1]}"
+
+
 def command(main: Callable[..., int | None]) -> Callable[..., int]:
     """`main` (a command's entry point, returning its exit code) ending as the exit codes say: the project's errors,
     a missing file and a missing optional extra are `error: <sentence>` on stderr and their code; anything else
-    propagates with its traceback (named by process in a multi-process program)."""
+    propagates with its traceback (named by process in a multi-process program). With several processes that
+    olmo3eqx.peers watches, any error also ends every other process, with its code (an unexpected one: its traceback
+    and exit 1), and this process exits without JAX's shutdown (olmo3eqx.peers)."""
 
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
             code = main(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified by exit_code; the rest is re-raised
-            outcome = exit_code(e)
-            tag = process_tag()
-            if outcome is None:
-                if tag:
-                    print(f"error{tag}: the exception below stopped this process", file=sys.stderr, flush=True)
+            from olmo3eqx import peers
+
+            if exit_code(e) is None and not peers.watching():
+                if process_tag():
+                    print(f"error{process_tag()}: the exception below stopped this process", file=sys.stderr,
+                          flush=True)
                 raise
-            print(f"error{tag}: {outcome[1]}", file=sys.stderr, flush=True)
-            return outcome[0]
+            return peers.leave(*outcome(e))
         return OK if code is None else code
 
     return run
