@@ -100,13 +100,19 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def unexpected_line() -> str:
+    """The line above an unexpected error's traceback in a multi-process program ('' with one process)."""
+    tag = process_tag()
+    return f"error{tag}: the exception below stopped this process" if tag else ""
+
+
 def outcome(e: Exception) -> tuple[int, str]:
     """(exit code, what the command prints on stderr) for an error `e` that ends a command: `error: <sentence>`, or
-    for an unexpected one a line naming the process and the traceback."""
+    for an unexpected one its traceback (below a line naming the process, with several)."""
     known = exit_code(e)
     if known is None:
-        return UNEXPECTED, (f"error{process_tag()}: the exception below stopped this process\n" +
-                            "".join(traceback.format_exception(e)).rstrip())
+        trace = "".join(traceback.format_exception(e)).rstrip()
+        return UNEXPECTED, "\n".join(filter(None, [unexpected_line(), trace]))
     return known[0], f"error{process_tag()}: {known[1]}"
 
 
@@ -125,9 +131,8 @@ def command(main: Callable[..., int | None]) -> Callable[..., int]:
             from olmo3eqx import peers
 
             if exit_code(e) is None and not peers.watching():
-                if process_tag():
-                    print(f"error{process_tag()}: the exception below stopped this process", file=sys.stderr,
-                          flush=True)
+                if unexpected_line():
+                    print(unexpected_line(), file=sys.stderr, flush=True)
                 raise
             return peers.leave(*outcome(e))
         return OK if code is None else code

@@ -39,7 +39,7 @@ every process reaches at the same step) before it stops it with the other's code
 CLEANUP_S = 20.0
 """How long a failing process's cleanup (the last flushes, the checkpointer's last write) may take before its watcher
 ends it with its error's sentence and code: with the others gone, a cleanup can wait on them for good."""
-ACK_S = CLEANUP_S + 20.0
+ACK_S = CLEANUP_S + 10.0
 """How long process 0 and the process that claimed the stop wait for every other process to leave (longer than a
 cleanup may take)."""
 
