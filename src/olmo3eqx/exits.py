@@ -34,6 +34,10 @@ stops again before training while the space or the store is still missing)."""
 PREEMPTED = 75
 """train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume. `--until-done`
 relaunches at once and does not count it toward --max-restarts."""
+WHAT = {UNEXPECTED: "an unexpected error", BAD_INPUT: "bad input",
+        NONFINITE: "non-finite loss or gradient norm, past optim.max_nonfinite", STORAGE: "storage failure",
+        PREEMPTED: "preempted"}
+"""What each code says, in a sentence naming it."""
 
 
 class CommandError(Exception):
@@ -116,25 +120,32 @@ def outcome(e: Exception) -> tuple[int, str]:
     return known[0], f"error{process_tag()}: {known[1]}"
 
 
+ending: Callable[[int, str], int] | None = None
+"""How an error ends a command whose process is one of several that stop together: set by olmo3eqx.peers (its
+`leave`, given the exit code and what to print) once it watches them; None (one process): print and return the
+code."""
+
+
 def command(main: Callable[..., int | None]) -> Callable[..., int]:
     """`main` (a command's entry point, returning its exit code) ending as the exit codes say: the project's errors,
     a missing file and a missing optional extra are `error: <sentence>` on stderr and their code; anything else
     propagates with its traceback (named by process in a multi-process program). With several processes that
-    olmo3eqx.peers watches, any error also ends every other process, with its code (an unexpected one: its traceback
-    and exit 1), and this process exits without JAX's shutdown (olmo3eqx.peers)."""
+    olmo3eqx.peers watches (`ending`), any error, a traceback with exit 1 included, also ends every other process
+    with its code."""
 
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
             code = main(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified by exit_code; the rest is re-raised
-            from olmo3eqx import peers
-
-            if exit_code(e) is None and not peers.watching():
+            if ending is not None:
+                return ending(*outcome(e))
+            if exit_code(e) is None:
                 if unexpected_line():
                     print(unexpected_line(), file=sys.stderr, flush=True)
                 raise
-            return peers.leave(*outcome(e))
+            code, text = outcome(e)
+            print(text, file=sys.stderr, flush=True)
         return OK if code is None else code
 
     return run

@@ -143,11 +143,12 @@ class Peers:
 def stopped_by(process: int, code: int) -> str:
     """The sentence of a process that stops because process `process` stopped the run with `code`."""
     from olmo3eqx import exits
-    from olmo3eqx.tools.supervise import meaning
 
-    what = (f"exit code {code} (an unexpected error: its traceback is in process {process}'s log)"
-            if code == exits.UNEXPECTED else meaning(code))
-    return f"error{exits.process_tag()}: process {process} stopped the run with {what}; stopping too."
+    what = exits.WHAT.get(code, "a crash")
+    if code == exits.UNEXPECTED:
+        what += f": its traceback is in process {process}'s log"
+    return (f"error{exits.process_tag()}: process {process} stopped the run with exit code {code} ({what}); "
+            f"stopping too.")
 
 
 peers: Peers | None = None
@@ -155,9 +156,13 @@ peers: Peers | None = None
 
 
 def watch(process: int, count: int) -> None:
-    """Start the watcher thread of process `process` of `count` (once jax.distributed is initialised)."""
+    """Start the watcher thread of process `process` of `count` (once jax.distributed is initialised), and end
+    every command's error through `leave` (exits.ending)."""
+    from olmo3eqx import exits
+
     global peers
     peers = Peers(process, count)
+    exits.ending = leave
     threading.Thread(target=peers.watch, name="olmo3eqx-peers", daemon=True).start()
 
 
