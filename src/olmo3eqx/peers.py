@@ -33,9 +33,10 @@ STOP_KEY = "olmo3eqx/peers/stop"
 LEFT_KEY = "olmo3eqx/peers/left/"
 POLL_S = 1.0
 """How often the watcher reads STOP_KEY (one small request to process 0 per process)."""
-GRACE_S = 2.0
+GRACE_S = 5.0
 """How long a watcher that sees another process's stop leaves this process to reach an error of its own (a stop
-every process reaches at the same step) before it stops it with the other's code."""
+every process reaches at the same step, or the same outage failing this process's own writes a little later) before
+it stops it with the other's code."""
 CLEANUP_S = 20.0
 """How long a failing process's cleanup (the last flushes, the checkpointer's last write) may take before its watcher
 ends it with its error's sentence and code: with the others gone, a cleanup can wait on them for good."""
