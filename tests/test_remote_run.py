@@ -681,3 +681,25 @@ def jax_leaves(model) -> list[np.ndarray]:
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+def test_a_write_that_fails_on_one_process_ends_both_with_74_within_seconds(stores, tmp_path):
+    """Issue 62's storage row (tests/outage.py): S3 taken away for good under two processes, so a write fails on one
+    of them (process 0's flush of metrics.jsonl, or a checkpoint's write when the outage meets one) while the other
+    waits for it in a collective. Both end with exit 74 (what --until-done relaunches after its backoff) within 60 s
+    of the first error line, not by SIGABRT once JAX's heartbeat times out: the one that failed with the sentence
+    naming the run directory, the other with one saying that process stopped the run (or its own failed write)."""
+    from outage import outage_run
+
+    run = outage_run(stores, tmp_path, after_error_s=60)
+    report = "\n".join(f"--- process {i}: exit {code}\n{err[-3000:]}" for i, (code, err) in
+                       enumerate(zip(run.codes, run.stderr)))
+    assert run.codes == [exits.STORAGE] * 2, report
+    errors = [error_lines(err) for err in run.stderr]
+    assert all(len(e) == 1 for e in errors), report
+    own = [i for i in range(2) if "/outage" in errors[i][0] and "relaunch" in errors[i][0]]
+    assert own, report
+    for i in set(range(2)) - set(own):
+        assert errors[i][0] == (f"error (process {i} of 2): process {1 - i} stopped the run with exit code 74 "
+                                f"(storage failure); stopping too."), report
+    assert "Traceback" not in report and "Terminating process" not in report, report

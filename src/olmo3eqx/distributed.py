@@ -39,7 +39,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from olmo3eqx import jaxenv
+from olmo3eqx import jaxenv, peers
 from olmo3eqx.config import DistConfig
 from olmo3eqx.errors import ConfigError
 
@@ -291,6 +291,7 @@ def initialize(cfg: DistConfig) -> Launch:
                                    initialization_timeout=cfg.initialization_timeout,
                                    heartbeat_timeout_seconds=cfg.heartbeat_timeout)
         nodes = publish_nodes(launch.process_id, launch.num_processes, cfg.initialization_timeout)
+        peers.watch(launch.process_id, launch.num_processes)  # an error on one process stops them all
     launched = launch
     return launch
 

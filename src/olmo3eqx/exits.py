@@ -8,11 +8,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 OK = 0
 PARITY_FAILED = 1
 """convert.py: the converted model's logits are further from `transformers`' than --max-kl allows."""
+UNEXPECTED = 1
+"""An exception the project does not expect (a bug): its traceback, and the status Python itself gives it."""
 BAD_INPUT = 2
 """Bad input (a missing file, a config that contradicts itself or a checkpoint, an optional extra not installed,
 another trainer holding the run or taking its lease over): one sentence on stderr, nothing lost. A relaunch would
@@ -31,6 +34,10 @@ stops again before training while the space or the store is still missing)."""
 PREEMPTED = 75
 """train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume. `--until-done`
 relaunches at once and does not count it toward --max-restarts."""
+WHAT = {UNEXPECTED: "an unexpected error", BAD_INPUT: "bad input",
+        NONFINITE: "non-finite loss or gradient norm, past optim.max_nonfinite", STORAGE: "storage failure",
+        PREEMPTED: "preempted"}
+"""What each code says, in a sentence naming it."""
 
 
 class CommandError(Exception):
@@ -97,24 +104,48 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def unexpected_line() -> str:
+    """The line above an unexpected error's traceback in a multi-process program ('' with one process)."""
+    tag = process_tag()
+    return f"error{tag}: the exception below stopped this process" if tag else ""
+
+
+def outcome(e: Exception) -> tuple[int, str]:
+    """(exit code, what the command prints on stderr) for an error `e` that ends a command: `error: <sentence>`, or
+    for an unexpected one its traceback (below a line naming the process, with several)."""
+    known = exit_code(e)
+    if known is None:
+        trace = "".join(traceback.format_exception(e)).rstrip()
+        return UNEXPECTED, "\n".join(filter(None, [unexpected_line(), trace]))
+    return known[0], f"error{process_tag()}: {known[1]}"
+
+
+ending: Callable[[int, str], int] | None = None
+"""How an error ends a command whose process is one of several that stop together: set by olmo3eqx.peers (its
+`leave`, given the exit code and what to print) once it watches them; None (one process): print and return the
+code."""
+
+
 def command(main: Callable[..., int | None]) -> Callable[..., int]:
     """`main` (a command's entry point, returning its exit code) ending as the exit codes say: the project's errors,
     a missing file and a missing optional extra are `error: <sentence>` on stderr and their code; anything else
-    propagates with its traceback (named by process in a multi-process program)."""
+    propagates with its traceback (named by process in a multi-process program). With several processes that
+    olmo3eqx.peers watches (`ending`), any error, a traceback with exit 1 included, also ends every other process
+    with its code."""
 
     @functools.wraps(main)
     def run(*args, **kwargs) -> int:
         try:
             code = main(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified by exit_code; the rest is re-raised
-            outcome = exit_code(e)
-            tag = process_tag()
-            if outcome is None:
-                if tag:
-                    print(f"error{tag}: the exception below stopped this process", file=sys.stderr, flush=True)
+            if ending is not None:
+                return ending(*outcome(e))
+            if exit_code(e) is None:
+                if unexpected_line():
+                    print(unexpected_line(), file=sys.stderr, flush=True)
                 raise
-            print(f"error{tag}: {outcome[1]}", file=sys.stderr, flush=True)
-            return outcome[0]
+            code, text = outcome(e)
+            print(text, file=sys.stderr, flush=True)
         return OK if code is None else code
 
     return run

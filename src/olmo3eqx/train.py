@@ -287,7 +287,7 @@ def train(cfg: TrainConfig, host_note: str | None = None) -> int:
 def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     import jax
 
-    from olmo3eqx import distributed, flops, jaxenv, metrics, storage
+    from olmo3eqx import distributed, flops, jaxenv, metrics, peers, storage
     from olmo3eqx.checkpoint.checkpointer import Checkpointer, tree_bytes
     from olmo3eqx.checkpoint.failures import STORAGE_ERRNOS, storage_errno
     from olmo3eqx.config import chip_remat, dump_yaml, for_chip, to_dict
@@ -388,9 +388,11 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             raise
         raise checkpointer.storage_error(f"Writing {e.filename} failed ({e.strerror})", e.errno) from None
     finally:
+        failing = sys.exc_info()[1]
+        if isinstance(failing, Exception):
+            peers.leaving(failing)  # the other processes stop now, not once this one's cleanup is done
         # checkpointer last: it waits for the final write, whose failure (a StorageError) ends the run
-        close_all((index_log.close, skips.close, log.close, checkpointer.close),
-                  failing=sys.exc_info()[1] is not None)
+        close_all((index_log.close, skips.close, log.close, checkpointer.close), failing=failing is not None)
 
 
 def nonfinite_tried(cfg: TrainConfig, e: NonFiniteLoss, checkpointer, skips, start: int) -> str:
