@@ -32,7 +32,7 @@ process stops at the same step): one sentence names the directory or URL and the
 set aside: `--until-done` relaunches after its backoff, not at once, and a relaunch resumes from that checkpoint (and
 stops again before training while the space or the store is still missing)."""
 PREEMPTED = 75
-"""train.py: stopped by SIGTERM/SIGINT after writing a checkpoint (EX_TEMPFAIL); relaunch to resume. `--until-done`
+"""train.py: stopped by SIGTERM/SIGINT/SIGHUP after writing a checkpoint (EX_TEMPFAIL); relaunch to resume. `--until-done`
 relaunches at once and does not count it toward --max-restarts."""
 WHAT = {UNEXPECTED: "an unexpected error", BAD_INPUT: "bad input",
         NONFINITE: "non-finite loss or gradient norm, past optim.max_nonfinite", STORAGE: "storage failure",

@@ -46,11 +46,10 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """What launchers, terminals and SSH stop a run with; each is passed on to the command as SIGTERM."""
 PR_SET_PDEATHSIG = 1
 """prctl option (linux/prctl.h): the signal the kernel sends this process when its parent dies."""
-FINAL = {exits.BAD_INPUT: "bad input", exits.NONFINITE: "non-finite loss or gradient norm, past optim.max_nonfinite"}
+FINAL = {code: exits.WHAT[code] for code in (exits.BAD_INPUT, exits.NONFINITE)}
 """Exits a relaunch cannot fix."""
-MEANING = {exits.PARITY_FAILED: "an unexpected error: its traceback is above", exits.STORAGE: "storage failure",
-           exits.PREEMPTED: "preempted"}
-"""What the other exit codes say, for the log line of each relaunch."""
+MEANING = {**exits.WHAT, exits.UNEXPECTED: f"{exits.WHAT[exits.UNEXPECTED]}: its traceback is above"}
+"""What each exit code says, for the log line of each relaunch."""
 
 
 def log(message: str) -> None:
@@ -62,7 +61,7 @@ def meaning(code: int) -> str:
     if code < 0:
         return f"killed by {signal_name(-code)}" + (" (often the out-of-memory killer)" if -code == signal.SIGKILL
                                                      else "")
-    what = FINAL.get(code) or MEANING.get(code)
+    what = MEANING.get(code)
     if what is None and 128 < code < 128 + signal.NSIG:
         what = f"killed by {signal_name(code - 128)}, as a shell reports it"
     return f"exit code {code} ({what or 'a crash'})"
