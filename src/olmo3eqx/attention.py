@@ -57,6 +57,7 @@ from jaxtyping import Array, Float, Int
 
 from olmo3eqx import cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
+from olmo3eqx.context import context_ranks, masked_attention, split_attention
 from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -136,6 +137,9 @@ def attention(
     `segment_ids`: each token's document; keys of another document are masked (None: no document masking)."""
     seq = q.shape[-3]
     backend = resolve(impl, q.dtype, documents=segment_ids is not None, seq=seq)
+    if context_ranks() > 1:
+        return context_attention(q, k, v, window=window, backend=backend, block_q=block_q, block_kv=block_kv,
+                                 segment_ids=segment_ids)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
@@ -163,6 +167,25 @@ def attention(
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True, local_window_size=None if window is None else (window - 1, 0),
         implementation=None if backend == "xla" else backend)
+
+
+def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int | None, block_kv: int | None,
+                      segment_ids):
+    """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
+    against all keys, at explicit positions. "xla" masks them so; every other backend but splash runs flash with the
+    queries' offset (blocked and pallas have no offset; cuDNN's packed path takes no separate q and kv offsets)."""
+    seq = q.shape[-3]
+    if window is not None and window >= seq:
+        window = None
+
+    def local(q, k, v, q_seg, kv_seg, offset):
+        if backend == "xla":
+            q_pos = offset + jnp.arange(q.shape[1], dtype=jnp.int32)
+            return masked_attention(q, k, v, q_pos, jnp.arange(k.shape[1], dtype=jnp.int32), window, q_seg, kv_seg)
+        return flash_attention(q, k, v, window=window, segment_ids=q_seg, block_q=block_q, block_kv=block_kv,
+                               q_offset=offset, kv_segment_ids=kv_seg)
+
+    return split_attention(local, q, k, v, segment_ids)
 
 
 def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim: int = 128

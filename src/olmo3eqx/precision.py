@@ -77,7 +77,16 @@ def explicit() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if _GATHER.get() != "compute" or mesh.empty or not {"fsdp", "tensor"} <= set(mesh.axis_names):
         return False
-    return mesh.shape["fsdp"] > 1
+    return mesh.shape["fsdp"] > 1 and not context_split(mesh)
+
+
+def context_split(mesh) -> bool:
+    """Whether `mesh` has a context axis (mesh.context > 1): its weights are sharded over fsdp x context and its
+    sequences split, which the explicit gathers and per-device paths here do not handle; the partitioner places the
+    casts and collectives there (as mesh.gather_dtype "xla")."""
+    from olmo3eqx.specs import context_size
+
+    return context_size(mesh) > 1
 
 
 def param_spec(names: tuple[str, ...], shape: tuple[int, ...], *, layer: bool = False) -> P:
@@ -195,7 +204,8 @@ def rows_split(rows: int) -> bool:
     """Whether the mesh in context splits `rows` over its batch axes (`row_axes`, more than one device) with no
     tensor split: then each device's rows can be worked on the device (`hierarchical`, loss.per_device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1:
+    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1 \
+            or context_split(mesh):
         return False
     shards = math.prod(mesh.shape[a] for a in row_axes())
     return shards > 1 and rows % shards == 0

@@ -25,7 +25,7 @@ from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.model import DTYPE, cast_floating
 from olmo3eqx.precision import traced_gathering
-from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding, on_mesh
+from olmo3eqx.sharding import Layout, batch_sharding, on_mesh
 from olmo3eqx.state import TrainState
 
 
@@ -68,7 +68,7 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
     data), so the bytes that cross nodes a step are those of one micro-batch."""
     ocfg: OptimConfig = cfg.optim
     plan, mesh = layout.plan, layout.mesh
-    micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    micro_sharding = NamedSharding(mesh, P(None, *batch_sharding(mesh, 2).spec))
     param_specs = jax.tree.map(lambda s: s.spec, layout.shardings.model)
     grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
 

@@ -1,0 +1,68 @@
+"""Context parallelism's attention: on a mesh with a `context` axis (mesh.context > 1) each rank holds one chunk of
+every sequence. Queries stay on their rank; keys, values and the keys' segment ids are all-gathered over `context`
+(a shard_map that makes only `context` manual, so the batch and heads stay split as the partitioner has them), and
+the backend runs on (local queries, gathered keys) with the queries' positions offset by the chunk's start. Every
+mask is then computed from explicit query and key positions (`masked_attention`, flash's `q_offset`), never from the
+assumption that queries and keys are the same positions.
+
+Everything else that sees the sequence is left to the partitioner, which keeps its semantics: the next-token label of
+a chunk's last token (a shift over the sharded sequence: one collective permute), the per-document RoPE positions,
+the loss and its normaliser (olmo3eqx.loss splits its chunks per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from olmo3eqx.specs import CONTEXT
+
+
+def context_ranks() -> int:
+    """Chunks the traced sequences are split into: the context axis of the abstract mesh in context, 1 without one
+    (or inside a region where it is manual already)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or CONTEXT not in mesh.axis_names or CONTEXT in mesh.manual_axes:
+        return 1
+    return mesh.shape[CONTEXT]
+
+
+def split_attention(local: Callable, q: Float[Array, "b sq h d"], k: Float[Array, "b s kh d"],
+                    v: Float[Array, "b s kh d"], segment_ids: Int[Array, "b s"] | None) -> Float[Array, "b s h d"]:
+    """local(q, k, v, q_segment_ids, kv_segment_ids, q_offset) -> out on each context rank: q its chunk, k, v and
+    kv_segment_ids all-gathered over context (segment ids None when `segment_ids` is), q_offset the chunk's first
+    position (int32 scalar)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    seq = P(None, CONTEXT, None, None)
+
+    def per_rank(q, k, v, *segments):
+        k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+        q_seg = segments[0] if segments else None
+        kv_seg = jax.lax.all_gather(q_seg, CONTEXT, axis=1, tiled=True) if segments else None
+        offset = (jax.lax.axis_index(CONTEXT) * q.shape[1]).astype(jnp.int32)
+        return local(q, k, v, q_seg, kv_seg, offset)
+
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
+    specs = (seq,) * 3 + ((P(None, CONTEXT),) if segment_ids is not None else ())
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=seq, axis_names={CONTEXT},
+                         check_vma=False)(*args)
+
+
+def masked_attention(q: Float[Array, "b sq h d"], k: Float[Array, "b s kh d"], v: Float[Array, "b s kh d"],
+                     q_positions: Int[Array, " sq"], kv_positions: Int[Array, " s"], window: int | None,
+                     q_segment_ids: Int[Array, "b sq"] | None, kv_segment_ids: Int[Array, "b s"] | None
+                     ) -> Float[Array, "b sq h d"]:
+    """The "xla" backend on queries and keys at explicit positions: query i sees key j when kv_positions[j] <=
+    q_positions[i], within the window (W keys including itself) on a sliding layer, and of the same segment."""
+    qp, kp = q_positions[:, None], kv_positions[None, :]
+    mask = kp <= qp
+    if window is not None:
+        mask = mask & (qp - kp < window)
+    mask = jnp.broadcast_to(mask, (q.shape[0], 1, *mask.shape))
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")

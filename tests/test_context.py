@@ -1,0 +1,101 @@
+"""Context parallelism (mesh.context): each sequence split over a `context` axis gives the numbers of the unsplit
+run. The tiny model in float32 with packed documents whose boundaries and sliding windows cross the chunk
+boundaries, YaRN on its global layer and a label mask, on 8 simulated devices at context 1, 2 and 4 (fsdp takes the
+rest): the same gradients and the same 3 steps of losses, per attention backend that runs on CPU."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from olmo3eqx import collectives
+from olmo3eqx.config import (FULL, SLIDING, DataConfig, MeshConfig, ModelConfig, OptimConfig, RopeScalingConfig,
+                             TrainConfig)
+from olmo3eqx.model import cast_floating
+from olmo3eqx.precision import traced_gathering
+from olmo3eqx.sharding import batch_sharding, build_layout, on_mesh
+from olmo3eqx.step import make_gradients, make_train_step
+
+SEQ, BATCH, WINDOW = 64, 8, 12
+"""At context 4 a chunk is 16 tokens: a 12-token window reaches into the previous chunk."""
+
+
+def config(context: int, impl: str) -> TrainConfig:
+    model = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        layer_types=(SLIDING, FULL), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        sliding_window=WINDOW, eos_token_id=1, pad_token_id=2, compute_dtype="float32",
+                        attention_impl=impl,
+                        rope_scaling=RopeScalingConfig(rope_type="yarn", factor=4.0,
+                                                       original_max_position_embeddings=16))
+    return TrainConfig(steps=3, model=model, data=DataConfig(seq_len=SEQ, global_batch=BATCH, packing=True),
+                       optim=OptimConfig(lr=1e-2, warmup_steps=1), mesh=MeshConfig(context=context))
+
+
+def batches(steps: int) -> list[dict[str, np.ndarray]]:
+    """Packed rows: documents of 3..40 tokens (so they cross chunks), the last stretch of some rows padding
+    (label mask False), a few more masked labels."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        lengths = [[] for _ in range(BATCH)]
+        for row in lengths:
+            while sum(row) < SEQ:
+                row.append(int(rng.integers(3, 41)))
+        segment_ids = np.stack([np.repeat(np.arange(len(r)), r)[:SEQ] for r in lengths]).astype(np.int32)
+        label_mask = rng.random((BATCH, SEQ)) > 0.1
+        label_mask[::3, -int(rng.integers(5, 20)):] = False
+        out.append({"tokens": rng.integers(3, 128, (BATCH, SEQ)).astype(np.int32),
+                    "mask": (rng.random(BATCH) > 0.1).astype(np.float32),
+                    "segment_ids": segment_ids, "label_mask": label_mask})
+    return out
+
+
+def run(context: int, impl: str):
+    """(the gradients of the first batch, the 3 steps' losses and gradient norms) at `context`."""
+    cfg = config(context, impl)
+    layout = build_layout(cfg)
+    mesh, fn = layout.mesh, make_gradients(cfg, layout)
+    bsh = batch_sharding(mesh, 2)
+    grad = jax.jit(on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype,
+                                                  lambda m, *b: fn(cast_floating(m, jnp.float32), *b)[:3])),
+                   in_shardings=(layout.shardings.model, bsh, batch_sharding(mesh, 1), bsh, bsh))
+    state = layout.init_state(cfg)
+    data = batches(cfg.steps)
+    grads = grad(state.model, *layout.put_batch(data[0]))
+    step = make_train_step(cfg, layout)
+    losses = []
+    for batch in data:
+        state, metrics = step(state, *layout.put_batch(batch))
+        losses.append((float(metrics["train/loss"]), float(metrics["train/z_loss"]), float(metrics["train/grad_norm"])))
+    return grads, np.array(losses)
+
+
+def assert_same(a, b):
+    (g_a, ce_a, z_a), losses_a = a
+    (g_b, ce_b, z_b), losses_b = b
+    np.testing.assert_allclose(losses_a, losses_b, rtol=1e-5)
+    np.testing.assert_allclose([float(ce_a), float(z_a)], [float(ce_b), float(z_b)], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max()))
+
+
+@pytest.mark.parametrize("impl", ["xla", "flash"])
+def test_context_parallel_gives_the_unsplit_numbers(impl):
+    one = run(1, impl)
+    for context in (2, 4):
+        assert_same(run(context, impl), one)
+
+
+def test_context_axis_shards_parameters_and_gathers_only_keys_and_values():
+    """Parameters sharded over fsdp x context; the compiled step all-gathers over the context ranks, activations
+    split along the sequence."""
+    cfg = config(4, "flash")
+    layout = build_layout(cfg)
+    assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    up = layout.shardings.model.blocks.mlp.up_proj.weight.spec
+    assert ("fsdp", "context") in tuple(up), up
+    assert batch_sharding(layout.mesh, 2).spec == P(("data", "fsdp"), "context")
