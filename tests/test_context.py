@@ -23,18 +23,18 @@ SEQ, BATCH, WINDOW = 64, 8, 12
 """At context 4 a chunk is 16 tokens: a 12-token window reaches into the previous chunk."""
 
 
-def config(context: int, impl: str) -> TrainConfig:
+def config(context: int, impl: str, seq: int = SEQ) -> TrainConfig:
     model = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         layer_types=(SLIDING, FULL), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         sliding_window=WINDOW, eos_token_id=1, pad_token_id=2, compute_dtype="float32",
                         attention_impl=impl,
                         rope_scaling=RopeScalingConfig(rope_type="yarn", factor=4.0,
                                                        original_max_position_embeddings=16))
-    return TrainConfig(steps=3, model=model, data=DataConfig(seq_len=SEQ, global_batch=BATCH, packing=True),
+    return TrainConfig(steps=3, model=model, data=DataConfig(seq_len=seq, global_batch=BATCH, packing=True),
                        optim=OptimConfig(lr=1e-2, warmup_steps=1), mesh=MeshConfig(context=context))
 
 
-def batches(steps: int) -> list[dict[str, np.ndarray]]:
+def batches(steps: int, seq: int) -> list[dict[str, np.ndarray]]:
     """Packed rows: documents of 3..40 tokens (so they cross chunks), the last stretch of some rows padding
     (label mask False), a few more masked labels."""
     rng = np.random.default_rng(0)
@@ -42,20 +42,20 @@ def batches(steps: int) -> list[dict[str, np.ndarray]]:
     for _ in range(steps):
         lengths = [[] for _ in range(BATCH)]
         for row in lengths:
-            while sum(row) < SEQ:
+            while sum(row) < seq:
                 row.append(int(rng.integers(3, 41)))
-        segment_ids = np.stack([np.repeat(np.arange(len(r)), r)[:SEQ] for r in lengths]).astype(np.int32)
-        label_mask = rng.random((BATCH, SEQ)) > 0.1
+        segment_ids = np.stack([np.repeat(np.arange(len(r)), r)[:seq] for r in lengths]).astype(np.int32)
+        label_mask = rng.random((BATCH, seq)) > 0.1
         label_mask[::3, -int(rng.integers(5, 20)):] = False
-        out.append({"tokens": rng.integers(3, 128, (BATCH, SEQ)).astype(np.int32),
+        out.append({"tokens": rng.integers(3, 128, (BATCH, seq)).astype(np.int32),
                     "mask": (rng.random(BATCH) > 0.1).astype(np.float32),
                     "segment_ids": segment_ids, "label_mask": label_mask})
     return out
 
 
-def run(context: int, impl: str):
+def run(context: int, impl: str, seq: int = SEQ):
     """(the gradients of the first batch, the 3 steps' losses and gradient norms) at `context`."""
-    cfg = config(context, impl)
+    cfg = config(context, impl, seq)
     layout = build_layout(cfg)
     mesh, fn = layout.mesh, make_gradients(cfg, layout)
     bsh = batch_sharding(mesh, 2)
@@ -63,7 +63,7 @@ def run(context: int, impl: str):
                                                   lambda m, *b: fn(cast_floating(m, jnp.float32), *b)[:3])),
                    in_shardings=(layout.shardings.model, bsh, batch_sharding(mesh, 1), bsh, bsh))
     state = layout.init_state(cfg)
-    data = batches(cfg.steps)
+    data = batches(cfg.steps, seq)
     grads = grad(state.model, *layout.put_batch(data[0]))
     step = make_train_step(cfg, layout)
     losses = []
@@ -88,6 +88,12 @@ def test_context_parallel_gives_the_unsplit_numbers(impl):
     one = run(1, impl)
     for context in (2, 4):
         assert_same(run(context, impl), one)
+
+
+def test_splash_context_parallel_gives_the_unsplit_numbers():
+    """Splash (interpreted on CPU) with its mask information split over the context ranks: chunks of 128 tokens,
+    the lane width each rank's chunk must fill."""
+    assert_same(run(2, "splash", seq=256), run(1, "splash", seq=256))
 
 
 def test_context_axis_shards_parameters_and_gathers_only_keys_and_values():
