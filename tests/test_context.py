@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from olmo3eqx import collectives
+from olmo3eqx import aot
 from olmo3eqx.config import (FULL, SLIDING, DataConfig, MeshConfig, ModelConfig, OptimConfig, RopeScalingConfig,
                              TrainConfig)
 from olmo3eqx.model import cast_floating
@@ -21,6 +21,7 @@ from olmo3eqx.step import make_gradients, make_train_step
 
 SEQ, BATCH, WINDOW = 64, 8, 12
 """At context 4 a chunk is 16 tokens: a 12-token window reaches into the previous chunk."""
+ITEM_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1}
 
 
 def config(context: int, impl: str, seq: int = SEQ) -> TrainConfig:
@@ -97,11 +98,22 @@ def test_splash_context_parallel_gives_the_unsplit_numbers():
 
 
 def test_context_axis_shards_parameters_and_gathers_only_keys_and_values():
-    """Parameters sharded over fsdp x context; the compiled step all-gathers over the context ranks, activations
-    split along the sequence."""
+    """Parameters sharded over fsdp x context; in the compiled bfloat16 step (as the dry run reads it,
+    olmo3eqx.collectives) nothing larger than one layer's keys or values is all-gathered over the context ranks:
+    the queries and the hidden states stay split along the sequence."""
     cfg = config(4, "flash")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype="bfloat16"))
     layout = build_layout(cfg)
     assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
     up = layout.shardings.model.blocks.mlp.up_proj.weight.spec
     assert ("fsdp", "context") in tuple(up), up
     assert batch_sharding(layout.mesh, 2).spec == P(("data", "fsdp"), "context")
+    m = cfg.model
+    kv_elements = BATCH // 2 * SEQ * m.num_key_value_heads * m.head_dim  # one layer's k on one rank, gathered
+    gathers = [c for c in aot.compile_step(cfg, layout, predict_time=False).collectives.collectives
+               if c.kind == "all-gather" and c.axes == ("context",)]
+    assert gathers
+    for c in gathers:
+        for dtype, raw in c.raw.items():
+            assert raw <= kv_elements * ITEM_BYTES[dtype], (c.name, c.raw)
+    assert any(raw == kv_elements * ITEM_BYTES[dtype] for c in gathers for dtype, raw in c.raw.items())

@@ -57,7 +57,8 @@ from jaxtyping import Array, Float, Int
 
 from olmo3eqx import cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
-from olmo3eqx.context import context_ranks, masked_attention, split_attention
+from olmo3eqx.context import context_ranks, gather_sequence, masked_attention, split_attention
+from olmo3eqx.specs import CONTEXT
 from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -188,7 +189,8 @@ def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int
         return flash_attention(q, k, v, window=window, segment_ids=q_seg, block_q=block_q, block_kv=block_kv,
                                q_offset=offset, kv_segment_ids=kv_seg)
 
-    return split_attention(local, q, k, v, segment_ids)
+    spec = shard_spec(jax.sharding.get_abstract_mesh(), q.shape, k.shape[-2])
+    return split_attention(local, q, k, v, segment_ids, P(spec[0], CONTEXT, spec[2], None))
 
 
 def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim: int = 128
@@ -274,7 +276,6 @@ def splash_context(
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     from olmo3eqx.errors import ConfigError
-    from olmo3eqx.specs import CONTEXT
 
     ranks = context_ranks()
     seq, dim = q.shape[1], q.shape[-1]
@@ -293,7 +294,7 @@ def splash_context(
     q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
 
     def per_shard(kernel, q, k, v, *segments):
-        k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+        k, v = gather_sequence(k), gather_sequence(v)
         heads_major = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
         if segments:
             kv = jax.lax.all_gather(segments[0], CONTEXT, axis=1, tiled=True)

@@ -31,25 +31,52 @@ def context_ranks() -> int:
     return mesh.shape[CONTEXT]
 
 
+@jax.custom_vjp
+def gather_sequence(x: Float[Array, "b sq *rest"]) -> Float[Array, "b s *rest"]:
+    """x's chunks of the sequence (axis 1) all-gathered over the context ranks in x's dtype, inside a shard_map where
+    context is manual. Its transpose, each rank's gradient of the whole sequence reduce-scattered back to the chunks,
+    sums in float32 (as every gradient reduction of the step: olmo3eqx.precision); XLA:CPU also fails a check
+    (AllReducePromotion, "Invalid binary instruction opcode copy") compiling the bfloat16 one."""
+    return jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+
+
+def _scatter_sum(_, cotangent):
+    summed = jax.lax.psum_scatter(cotangent.astype(jnp.float32), CONTEXT, scatter_dimension=1, tiled=True)
+    return (summed.astype(cotangent.dtype),)
+
+
+gather_sequence.defvjp(lambda x: (gather_sequence(x), None), _scatter_sum)
+
+
 def split_attention(local: Callable, q: Float[Array, "b sq h d"], k: Float[Array, "b s kh d"],
-                    v: Float[Array, "b s kh d"], segment_ids: Int[Array, "b s"] | None) -> Float[Array, "b s h d"]:
+                    v: Float[Array, "b s kh d"], segment_ids: Int[Array, "b s"] | None, spec: P
+                    ) -> Float[Array, "b s h d"]:
     """local(q, k, v, q_segment_ids, kv_segment_ids, q_offset) -> out on each context rank: q its chunk, k, v and
     kv_segment_ids all-gathered over context (segment ids None when `segment_ids` is), q_offset the chunk's first
-    position (int32 scalar)."""
+    position (int32 scalar). `spec`: how q, k and v are split, the sequence over context (every axis not manual
+    already is made manual: left to the partitioner inside, the rows were gathered over fsdp)."""
     mesh = jax.sharding.get_abstract_mesh()
-    seq = P(None, CONTEXT, None, None)
+    seq = spec
 
     def per_rank(q, k, v, *segments):
-        k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+        k, v = gather_sequence(k), gather_sequence(v)
         q_seg = segments[0] if segments else None
         kv_seg = jax.lax.all_gather(q_seg, CONTEXT, axis=1, tiled=True) if segments else None
         offset = (jax.lax.axis_index(CONTEXT) * q.shape[1]).astype(jnp.int32)
         return local(q, k, v, q_seg, kv_seg, offset)
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
-    specs = (seq,) * 3 + ((P(None, CONTEXT),) if segment_ids is not None else ())
-    return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=seq, axis_names={CONTEXT},
+    specs = (seq,) * 3 + ((P(*seq[:2]),) if segment_ids is not None else ())
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)  # nested in the step's per-replica region
+    return jax.shard_map(per_rank, mesh=mesh, in_specs=specs, out_specs=seq, axis_names=auto,
                          check_vma=False)(*args)
+
+
+def split_rows(x: Array, rows_axes: tuple[str, ...]) -> Array:
+    """x [rows x seq flattened, ...] (a projection's 2-D input or output) constrained to rows over `rows_axes` and
+    then the sequence over context, as [rows, seq] is: left alone the partitioner gathers the sequence around the
+    flattening reshape."""
+    return jax.lax.with_sharding_constraint(x, P((*rows_axes, CONTEXT), *([None] * (x.ndim - 1))))
 
 
 def masked_attention(q: Float[Array, "b sq h d"], k: Float[Array, "b s kh d"], v: Float[Array, "b s kh d"],
