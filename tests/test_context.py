@@ -117,3 +117,14 @@ def test_context_axis_shards_parameters_and_gathers_only_keys_and_values():
         for dtype, raw in c.raw.items():
             assert raw <= kv_elements * ITEM_BYTES[dtype], (c.name, c.raw)
     assert any(raw == kv_elements * ITEM_BYTES[dtype] for c in gathers for dtype, raw in c.raw.items())
+
+
+def test_dry_run_reports_how_unevenly_causal_attention_falls_on_the_ranks():
+    """Contiguous chunks: a global layer's last rank attends (2N - 1)/N times the mean rank's keys, a 4,096 window
+    over 8,192-token chunks is even but for the first chunk's short windows."""
+    from olmo3eqx.context import attention_balance
+
+    assert attention_balance([None], 65536, 8) == pytest.approx(15 / 8, rel=1e-3)
+    assert attention_balance([4096], 65536, 8) == pytest.approx(1.0, abs=0.04)
+    assert attention_balance([None], 64, 1) == 1.0
+

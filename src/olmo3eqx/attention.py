@@ -170,6 +170,13 @@ def attention(
         implementation=None if backend == "xla" else backend)
 
 
+def context_backend(backend: str) -> str:
+    """The backend that runs `backend`'s work with the sequence split over context ranks: xla and splash themselves,
+    every other one flash (blocked and pallas take no query offset; cuDNN's packed path no separate q and kv
+    offsets)."""
+    return backend if backend in ("xla", "splash") else "flash"
+
+
 def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int | None, block_kv: int | None,
                       segment_ids):
     """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
@@ -179,6 +186,7 @@ def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int
     if window is not None and window >= seq:
         window = None
 
+    backend = context_backend(backend)
     if backend == "splash":
         return splash_context(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
 

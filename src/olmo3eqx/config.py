@@ -371,7 +371,7 @@ class MeshConfig:
     """Context parallel: each instance's sequence split into this many chunks over a `context` axis (queries stay on
     their rank, keys and values are all-gathered for attention); parameters and optimizer state are sharded over
     context too, with fsdp, so it costs no weight memory. Kept within a node or slice, like fsdp. 1: no such axis
-    (docs/tpu-gpu.md, "Context parallelism")."""
+    (docs/tpu-gpu.md#context-parallelism)."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
     node_devices: int = 0

@@ -93,3 +93,19 @@ def masked_attention(q: Float[Array, "b sq h d"], k: Float[Array, "b s kh d"], v
     if q_segment_ids is not None:
         mask = mask & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def attention_balance(layer_windows: list[int | None], seq: int, ranks: int) -> float:
+    """Attention work of the busiest context rank over the mean rank's: the (query, key) pairs each rank's chunk of
+    `seq` positions attends, summed over layers (`layer_windows`: each layer's window, None for a global one), one
+    document a row (documents only shrink it). The chunks are contiguous, so a causal layer's last rank does
+    (2N - 1)/N times the mean; a sliding layer is near even."""
+    import numpy as np
+
+    position = np.arange(seq, dtype=np.float64)
+    per_rank = np.zeros(ranks)
+    for window in layer_windows:
+        keys = position + 1 if window is None else np.minimum(position + 1, window)
+        per_rank += keys.reshape(ranks, seq // ranks).sum(axis=1)
+    return float(per_rank.max() / per_rank.mean())
+

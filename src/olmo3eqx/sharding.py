@@ -283,6 +283,9 @@ class Layout:
 
 def build_layout(cfg: TrainConfig, devices=None) -> Layout:
     """The Layout of `cfg` on `devices` (default: every device)."""
+    if cfg.data.seq_len % cfg.mesh.context:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into mesh.context={cfg.mesh.context} equal "
+                          f"chunks; choose a context size that divides it.")
     mesh = make_mesh(cfg.mesh, devices)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
     optimizer = optim.make_optimizer(cfg.optim, cfg.steps)
