@@ -16,7 +16,7 @@ from olmo3eqx.config import (FULL, SLIDING, DataConfig, MeshConfig, ModelConfig,
                              TrainConfig)
 from olmo3eqx.model import cast_floating
 from olmo3eqx.precision import traced_gathering
-from olmo3eqx.sharding import batch_sharding, build_layout, on_mesh
+from olmo3eqx.sharding import batch_sharding, build_layout, on_mesh, sequence_sharding
 from olmo3eqx.step import make_gradients, make_train_step
 
 SEQ, BATCH, WINDOW = 64, 8, 12
@@ -59,7 +59,7 @@ def run(context: int, impl: str, seq: int = SEQ):
     cfg = config(context, impl, seq)
     layout = build_layout(cfg)
     mesh, fn = layout.mesh, make_gradients(cfg, layout)
-    bsh = batch_sharding(mesh, 2)
+    bsh = sequence_sharding(mesh, 2)
     grad = jax.jit(on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype,
                                                   lambda m, *b: fn(cast_floating(m, jnp.float32), *b)[:3])),
                    in_shardings=(layout.shardings.model, bsh, batch_sharding(mesh, 1), bsh, bsh))
@@ -107,7 +107,8 @@ def test_context_axis_shards_parameters_and_gathers_only_keys_and_values():
     assert dict(layout.mesh.shape) == {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
     up = layout.shardings.model.blocks.mlp.up_proj.weight.spec
     assert ("fsdp", "context") in tuple(up), up
-    assert batch_sharding(layout.mesh, 2).spec == P(("data", "fsdp"), "context")
+    assert sequence_sharding(layout.mesh, 2).spec == P(("data", "fsdp"), "context")
+    assert batch_sharding(layout.mesh, 2).spec == P(("data", "fsdp"), None)  # evaluation keeps whole sequences
     m = cfg.model
     kv_elements = BATCH // 2 * SEQ * m.num_key_value_heads * m.head_dim  # one layer's k on one rank, gathered
     gathers = [c for c in aot.compile_step(cfg, layout, predict_time=False).collectives.collectives

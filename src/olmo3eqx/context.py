@@ -12,6 +12,8 @@ the loss and its normaliser (olmo3eqx.loss splits its chunks per rank).
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable
 
 import jax
@@ -22,11 +24,29 @@ from jaxtyping import Array, Float, Int
 from olmo3eqx.specs import CONTEXT
 
 
+_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("splitting_sequences", default=False)
+
+
+def splitting_sequences(fn: Callable) -> Callable:
+    """`fn` traced as the train step's gradients are: its [rows, seq] inputs split along the sequence over the
+    mesh's context axis (Layout.put_batch). Evaluation and generation on the same mesh keep whole sequences."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        token = _SPLIT.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SPLIT.reset(token)
+
+    return traced
+
+
 def context_ranks() -> int:
-    """Chunks the traced sequences are split into: the context axis of the abstract mesh in context, 1 without one
-    (or inside a region where it is manual already)."""
+    """Chunks the traced sequences are split into: the context axis of the abstract mesh in context inside
+    `splitting_sequences`, else 1 (also inside a region where the axis is manual already)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or CONTEXT not in mesh.axis_names or CONTEXT in mesh.manual_axes:
+    if not _SPLIT.get() or mesh.empty or CONTEXT not in mesh.axis_names or CONTEXT in mesh.manual_axes:
         return 1
     return mesh.shape[CONTEXT]
 

@@ -172,10 +172,16 @@ def model_shardings(model, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over (data, fsdp); with a context axis, a [rows, seq] array's sequence over context."""
+    """Rows over (data, fsdp), the rest whole (evaluation and generation batches, whatever the mesh)."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def sequence_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """A training batch's: rows over (data, fsdp) and, with a context axis, a [rows, seq] array's sequence over
+    context (batch_sharding without one)."""
     if ndim >= 2 and context_size(mesh) > 1:
         return NamedSharding(mesh, P(BATCH_AXES, CONTEXT, *([None] * (ndim - 2))))
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+    return batch_sharding(mesh, ndim)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -254,7 +260,7 @@ class Layout:
 
     def batch_target(self, seq_len: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """(tokens, mask[, segment_ids, label_mask]) of one global batch as sharded ShapeDtypeStructs."""
-        b, rows = self.plan.global_batch, batch_sharding(self.mesh, 2)
+        b, rows = self.plan.global_batch, sequence_sharding(self.mesh, 2)
         target = (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows),
                   jax.ShapeDtypeStruct((b,), jnp.float32, sharding=batch_sharding(self.mesh, 1)))
         if self.packed:
@@ -267,7 +273,7 @@ class Layout:
         {"segment_ids", "label_mask"}) -> the global arrays the train step takes, in batch_target's order."""
         tokens, mask = batch["tokens"], batch["mask"]
         shape = (self.plan.global_batch, tokens.shape[1])
-        rows = batch_sharding(self.mesh, 2)
+        rows = sequence_sharding(self.mesh, 2)
         out = (jax.make_array_from_process_local_data(rows, tokens, shape),
                jax.make_array_from_process_local_data(batch_sharding(self.mesh, 1), mask, shape[:1]))
         if self.packed:
