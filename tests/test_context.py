@@ -129,3 +129,14 @@ def test_dry_run_reports_how_unevenly_causal_attention_falls_on_the_ranks():
     assert attention_balance([4096], 65536, 8) == pytest.approx(1.0, abs=0.04)
     assert attention_balance([None], 64, 1) == 1.0
 
+
+
+def test_sizes_that_do_not_split_are_one_sentence():
+    from olmo3eqx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.seq_len=60 does not split into mesh.context=8"):
+        build_layout(dataclasses.replace(config(8, "xla"), data=DataConfig(seq_len=60, global_batch=BATCH)))
+    with pytest.raises(ConfigError, match="mesh.context=3 does not divide the 8 devices"):
+        build_layout(dataclasses.replace(config(3, "xla"), data=DataConfig(seq_len=48, global_batch=BATCH)))
+    with pytest.raises(ConfigError, match="mesh.context must be positive"):
+        MeshConfig(context=0)
