@@ -1,6 +1,6 @@
 """Context parallelism's attention: on a mesh with a `context` axis (mesh.context > 1) each rank holds one chunk of
 every sequence. Queries stay on their rank; keys, values and the keys' segment ids are all-gathered over `context`
-(a shard_map that makes only `context` manual, so the batch and heads stay split as the partitioner has them), and
+(a shard_map that splits the rows over data x fsdp, the heads over tensor and the sequence over context), and
 the backend runs on (local queries, gathered keys) with the queries' positions offset by the chunk's start. Every
 mask is then computed from explicit query and key positions (`masked_attention`, flash's `q_offset`), never from the
 assumption that queries and keys are the same positions.
