@@ -57,6 +57,8 @@ from jaxtyping import Array, Float, Int
 
 from olmo3eqx import cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
+from olmo3eqx.context import context_ranks, gather_sequence, masked_attention, split_attention
+from olmo3eqx.specs import CONTEXT
 from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
@@ -136,6 +138,9 @@ def attention(
     `segment_ids`: each token's document; keys of another document are masked (None: no document masking)."""
     seq = q.shape[-3]
     backend = resolve(impl, q.dtype, documents=segment_ids is not None, seq=seq)
+    if context_ranks() > 1:
+        return context_attention(q, k, v, window=window, backend=backend, block_q=block_q, block_kv=block_kv,
+                                 segment_ids=segment_ids)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == "blocked":
@@ -165,6 +170,37 @@ def attention(
         implementation=None if backend == "xla" else backend)
 
 
+def context_backend(backend: str) -> str:
+    """The backend that runs `backend`'s work with the sequence split over context ranks: xla and splash themselves,
+    every other one flash (blocked and pallas take no query offset; cuDNN's packed path no separate q and kv
+    offsets)."""
+    return backend if backend in ("xla", "splash") else "flash"
+
+
+def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int | None, block_kv: int | None,
+                      segment_ids):
+    """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
+    against all keys, at explicit positions. "xla" masks them so; every other backend but splash runs flash with the
+    queries' offset (blocked and pallas have no offset; cuDNN's packed path takes no separate q and kv offsets)."""
+    seq = q.shape[-3]
+    if window is not None and window >= seq:
+        window = None
+
+    backend = context_backend(backend)
+    if backend == "splash":
+        return splash_context(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
+
+    def local(q, k, v, q_seg, kv_seg, offset):
+        if backend == "xla":
+            q_pos = offset + jnp.arange(q.shape[1], dtype=jnp.int32)
+            return masked_attention(q, k, v, q_pos, jnp.arange(k.shape[1], dtype=jnp.int32), window, q_seg, kv_seg)
+        return flash_attention(q, k, v, window=window, segment_ids=q_seg, block_q=block_q, block_kv=block_kv,
+                               q_offset=offset, kv_segment_ids=kv_seg)
+
+    spec = shard_spec(jax.sharding.get_abstract_mesh(), q.shape, k.shape[-2])
+    return split_attention(local, q, k, v, segment_ids, P(spec[0], CONTEXT, spec[2], None))
+
+
 def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim: int = 128
                   ) -> tuple[int, int, int]:
     """(padded sequence, query block, key/value block): the configured blocks (else the chip's default for this head
@@ -179,9 +215,10 @@ def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim:
     return -(-padded // step) * step, bq, bkv
 
 
-def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, interpret: bool):
+def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, interpret: bool, q_shards: int = 1):
     """The splash kernel for one example's [heads, seq, dim]. Built per trace: its mask information becomes arrays of
-    that trace (the numpy work behind them is cached by the Pallas package)."""
+    that trace (the numpy work behind them is cached by the Pallas package). `q_shards`: the query sequence split
+    that many ways (context ranks: the kernel's mask information is then split with it, splash_context)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -191,8 +228,8 @@ def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, i
         mask = sm.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                              mask_value=MASKED, interpret=interpret)
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
+                              q_seq_shards=q_shards, mask_value=MASKED, interpret=interpret)
 
 
 def splash_attention(
@@ -233,6 +270,53 @@ def splash_attention(
         per_shard = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto,
                                   check_vma=False)
     return per_shard(*args)[..., :seq, :, :]
+
+
+def splash_context(
+    q: Float[Array, "b seq heads dim"], k: Float[Array, "b seq kv_heads dim"], v: Float[Array, "b seq kv_heads dim"],
+    *, window: int | None, block_q: int | None, block_kv: int | None, segment_ids: Int[Array, "b seq"] | None,
+) -> Float[Array, "b seq heads dim"]:
+    """The "splash" backend with the sequence split over the context axis (olmo3eqx.context), as MaxText runs it:
+    one kernel for the whole [seq, seq] mask built with q_seq_shards = the context ranks, its mask information split
+    over them with the queries (the kernel's manual_sharding_spec), keys, values and their segment ids all-gathered
+    in the same shard_map that splits the batch and heads. Each rank's chunk must be a multiple of the blocks (no
+    padding inside a split sequence)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+    from olmo3eqx.errors import ConfigError
+
+    ranks = context_ranks()
+    seq, dim = q.shape[1], q.shape[-1]
+    chunk = seq // ranks
+    padded, bq, bkv = splash_blocks(chunk, block_q, block_kv, dim)
+    if padded != chunk:
+        raise ConfigError(f"model.attention_impl 'splash' with mesh.context={ranks} needs each rank's {chunk} tokens "
+                          f"to be a multiple of its blocks ({bq} x {bkv}); make data.seq_len / mesh.context one.")
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = shard_spec(mesh, q.shape, k.shape[-2])
+    heads = q.shape[-2] // (mesh.shape["tensor"] if spec[-2] == "tensor" else 1)
+    kernel = splash_kernel(seq, heads, window, bq, bkv, target_device()[0] == "cpu", q_shards=ranks)
+    spec = P(spec[0], CONTEXT, spec[2], None)
+    seg_spec = P(spec[0], CONTEXT)
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, CONTEXT)))
+    q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
+
+    def per_shard(kernel, q, k, v, *segments):
+        k, v = gather_sequence(k), gather_sequence(v)
+        heads_major = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+        if segments:
+            kv = jax.lax.all_gather(segments[0], CONTEXT, axis=1, tiled=True)
+            out = jax.vmap(lambda q, k, v, s, t: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=t)))(
+                *heads_major, segments[0], kv)
+        else:
+            out = jax.vmap(kernel)(*heads_major)
+        return jnp.swapaxes(out, 1, 2)
+
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
+    specs = (kernel_spec, spec, spec, spec) + ((seg_spec,) if segment_ids is not None else ())
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto,
+                         check_vma=False)(kernel, *args)
 
 
 def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:

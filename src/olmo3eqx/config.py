@@ -367,6 +367,11 @@ class MeshConfig:
     """Data parallel with parameters and optimizer state sharded (FSDP/ZeRO-3)."""
     tensor: int = 1
     """Tensor parallel: projections split by column/row."""
+    context: int = 1
+    """Context parallel: each instance's sequence split into this many chunks over a `context` axis (queries stay on
+    their rank, keys and values are all-gathered for attention); parameters and optimizer state are sharded over
+    context too, with fsdp, so it costs no weight memory. Kept within a node or slice, like fsdp. 1: no such axis
+    (docs/tpu-gpu.md#context-parallelism)."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
     node_devices: int = 0
@@ -405,7 +410,7 @@ class MeshConfig:
         if any(s == 0 or s < -1 for s in sizes):
             raise ConfigError(f"Mesh sizes must be positive or -1, got data={self.data} fsdp={self.fsdp} "
                               f"tensor={self.tensor}.")
-        check_signs(self, "mesh", positive=("max_per_device_batch",), non_negative=("node_devices",))
+        check_signs(self, "mesh", positive=("max_per_device_batch", "context"), non_negative=("node_devices",))
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,32 @@ def block_bounds(seq: int, bq: int, bk: int, window: int | None, segment_ids: In
     return k_lo, k_hi, q_lo, q_hi
 
 
-def _mask(i, j, bq: int, bk: int, window: int | None, seg_q, seg_k):
-    """[batch, 1, 1, Bq, Bk] (or [Bq, Bk]) visible pairs of query block i against key block j."""
+def offset_bounds(nq: int, nk: int, bq: int, bk: int, offset: Int[Array, ""], window: int | None,
+                  q_first: Int[Array, "batch sq"] | None, kv_last: Int[Array, "batch s"] | None):
+    """block_bounds for queries at positions offset .. offset + nq*bq - 1 against keys at 0 .. nk*bk - 1 (a context
+    rank's chunk against the gathered sequence), from the data: a key block no query can see gets an empty backward
+    loop (first > last). `q_first`: the first position of each query's document, `kv_last`: the last of each key's
+    (first_and_last over the gathered segment ids), or None."""
+    qb, kb = jnp.arange(nq, dtype=jnp.int32), jnp.arange(nk, dtype=jnp.int32)
+    k_hi = jnp.minimum((offset + (qb + 1) * bq - 1) // bk, nk - 1)
+    q_lo = jnp.clip((kb * bk - offset) // bq, 0, nq)
+    if window is None:
+        k_lo, q_hi = jnp.zeros(nq, jnp.int32), jnp.full(nk, nq - 1, jnp.int32)
+    else:
+        k_lo = jnp.maximum(offset + qb * bq - (window - 1), 0) // bk
+        q_hi = jnp.minimum(((kb + 1) * bk - 1 + window - 1 - offset) // bq, nq - 1)
+    if q_first is not None:
+        k_lo = jnp.maximum(k_lo, q_first.reshape(-1, nq, bq).min(axis=(0, 2)) // bk)
+        q_hi = jnp.minimum(q_hi, (kv_last.reshape(-1, nk, bk).max(axis=(0, 2)) - offset) // bq)
+    return k_lo, k_hi, q_lo, q_hi
+
+
+def _mask(i, j, bq: int, bk: int, window: int | None, seg_q, seg_k, offset=None):
+    """[batch, 1, 1, Bq, Bk] (or [Bq, Bk]) visible pairs of query block i against key block j; `offset`: the
+    position of the first query (None: 0, queries and keys the same positions)."""
     qpos = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    if offset is not None:
+        qpos = qpos + offset
     kpos = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     mask = kpos <= qpos
     if window is not None:
@@ -118,7 +141,7 @@ def _scores(q_blk, k_blk, scale: float):
     return jnp.einsum("bkgqd,bksd->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
-def _forward(q, k, v, seg_q, seg_k, k_lo, k_hi, *, window, scale):
+def _forward(q, k, v, seg_q, seg_k, k_lo, k_hi, offset, *, window, scale):
     """q [nq, b, K, G, Bq, D]; k, v [nk, b, K, Bk, D]; seg_q [nq, b, Bq] / seg_k [nk, b, Bk] or None. Returns the
     output in q's dtype and the LSE [nq, b, K, G, Bq] (float32)."""
     bq, bk = q.shape[-2], k.shape[-2]
@@ -131,7 +154,7 @@ def _forward(q, k, v, seg_q, seg_k, k_lo, k_hi, *, window, scale):
             m, l, acc = carry
             s = _scores(q_i, k[j], scale)
             segs = (None, None) if seg_q is None else (s_i, seg_k[j])
-            s = jnp.where(_mask(i, j, bq, bk, window, *segs), s, MASKED)
+            s = jnp.where(_mask(i, j, bq, bk, window, *segs, offset), s, MASKED)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
@@ -149,7 +172,7 @@ def _forward(q, k, v, seg_q, seg_k, k_lo, k_hi, *, window, scale):
     return out, lse
 
 
-def _backward(q, k, v, seg_q, seg_k, q_lo, q_hi, out, lse, dout, *, window, scale):
+def _backward(q, k, v, seg_q, seg_k, q_lo, q_hi, offset, out, lse, dout, *, window, scale):
     """dq, dk, dv (the inputs' dtypes) by FlashAttention-2's recomputation, one key block at a time (module doc)."""
     bq, bk = q.shape[-2], k.shape[-2]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [nq, b, K, G, Bq]
@@ -162,7 +185,7 @@ def _backward(q, k, v, seg_q, seg_k, q_lo, q_hi, out, lse, dout, *, window, scal
             q_i, do_i = q[i], dout[i]
             s = _scores(q_i, k_j, scale)
             segs = (None, None) if seg_q is None else (seg_q[i], sk_j)
-            mask = _mask(i, j, bq, bk, window, *segs)
+            mask = _mask(i, j, bq, bk, window, *segs, offset)
             p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
             dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bkgqd,bksd->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
@@ -182,38 +205,43 @@ def _backward(q, k, v, seg_q, seg_k, q_lo, q_hi, out, lse, dout, *, window, scal
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(window, scale, has_segments, q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi):
+def _flash(window, scale, has_segments, q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, offset):
     segs = (seg_q, seg_k) if has_segments else (None, None)
-    return _forward(q, k, v, *segs, k_lo, k_hi, window=window, scale=scale)[0]
+    return _forward(q, k, v, *segs, k_lo, k_hi, offset, window=window, scale=scale)[0]
 
 
-def _flash_fwd(window, scale, has_segments, q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi):
+def _flash_fwd(window, scale, has_segments, q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, offset):
     segs = (seg_q, seg_k) if has_segments else (None, None)
-    out, lse = _forward(q, k, v, *segs, k_lo, k_hi, window=window, scale=scale)
-    return out, (q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, out, lse)
+    out, lse = _forward(q, k, v, *segs, k_lo, k_hi, offset, window=window, scale=scale)
+    return out, (q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, offset, out, lse)
 
 
 def _flash_bwd(window, scale, has_segments, res, dout):
-    q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, out, lse = res
+    q, k, v, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi, offset, out, lse = res
     segs = (seg_q, seg_k) if has_segments else (None, None)
-    dq, dk, dv = _backward(q, k, v, *segs, q_lo, q_hi, out, lse, dout, window=window, scale=scale)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = _backward(q, k, v, *segs, q_lo, q_hi, offset, out, lse, dout, window=window, scale=scale)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(
-    q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch seq kv_heads dim"],
-    v: Float[Array, "*batch seq kv_heads dim"], *, window: int | None,
+    q: Float[Array, "*batch seq heads dim"], k: Float[Array, "*batch kv_seq kv_heads dim"],
+    v: Float[Array, "*batch kv_seq kv_heads dim"], *, window: int | None,
     segment_ids: Int[Array, "*batch seq"] | None = None, block_q: int | None = None, block_kv: int | None = None,
+    q_offset: Int[Array, ""] | None = None, kv_segment_ids: Int[Array, "*batch kv_seq"] | None = None,
 ) -> Float[Array, "*batch seq heads dim"]:
     """The "flash" backend (module doc): causal attention, `window` W keys including the query (None: global),
     grouped-query heads, `segment_ids` masking documents (None: none), blocks of `block_q` queries and `block_kv`
-    keys (None: DEFAULT_BLOCK). Output in q's dtype."""
+    keys (None: DEFAULT_BLOCK). Output in q's dtype. With `q_offset` (a context rank's chunk, olmo3eqx.context): q
+    [batch, seq] holds the positions q_offset.. of k and v's [batch, kv_seq], `segment_ids` are the queries' and
+    `kv_segment_ids` the keys'."""
     *lead, seq, heads, dim = q.shape
     kv_heads = k.shape[-2]
     groups = heads // kv_heads
+    if q_offset is not None:
+        return _offset_flash(q, k, v, window, segment_ids, kv_segment_ids, block_q, block_kv, q_offset)
     if window is not None and window >= seq:
         window = None
     padded, bq, bk = blocks_for(seq, block_q, block_kv)
@@ -235,10 +263,40 @@ def flash_attention(
     else:
         seg_q = seg.reshape(batch, nq, bq).transpose(1, 0, 2)
         seg_k = seg.reshape(batch, nk, bk).transpose(1, 0, 2)
-    out = _flash(window, 1.0 / math.sqrt(dim), seg is not None, qb, kb, vb, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi)
+    out = _flash(window, 1.0 / math.sqrt(dim), seg is not None, qb, kb, vb, seg_q, seg_k, k_lo, k_hi, q_lo, q_hi,
+                 None)
     # [nq, b, K, G, Bq, D] -> [b, nq*Bq, K*G, D]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, padded, heads, dim)[:, :seq]
     return out.reshape(*lead, seq, heads, dim)
+
+
+def _offset_flash(q, k, v, window, q_segment_ids, kv_segment_ids, block_q, block_kv, offset):
+    """flash_attention of [b, sq] queries at positions offset.. against [b, s] keys at 0.. (module doc of
+    olmo3eqx.context): each side padded at its end to its blocks (padded queries' outputs are dropped, padded keys
+    are past every real query), the bounds from the data (offset_bounds)."""
+    batch, seq_q, heads, dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    _, bq, bk = blocks_for(seq_q, block_q, block_kv)
+    pq, pk = -(-seq_q // bq) * bq, -(-seq_kv // bk) * bk
+    q = jnp.pad(q, [(0, 0), (0, pq - seq_q), (0, 0), (0, 0)])
+    k, v = (jnp.pad(x, [(0, 0), (0, pk - seq_kv), (0, 0), (0, 0)]) for x in (k, v))
+    nq, nk = pq // bq, pk // bk
+    qb = q.reshape(batch, nq, bq, kv_heads, groups, dim).transpose(1, 0, 3, 4, 2, 5)
+    kb, vb = (x.reshape(batch, nk, bk, kv_heads, dim).transpose(1, 0, 3, 2, 4) for x in (k, v))
+    if q_segment_ids is None:
+        seg_q = seg_k = jnp.zeros((0,), jnp.int32)
+        bounds = offset_bounds(nq, nk, bq, bk, offset, window, None, None)
+    else:
+        sq = jnp.pad(q_segment_ids.astype(jnp.int32), [(0, 0), (0, pq - seq_q)], constant_values=BLOCK_PAD_SEGMENT)
+        sk = jnp.pad(kv_segment_ids.astype(jnp.int32), [(0, 0), (0, pk - seq_kv)], constant_values=BLOCK_PAD_SEGMENT)
+        first, last = first_and_last(sk)
+        q_first = jnp.pad(jax.lax.dynamic_slice_in_dim(first, offset, seq_q, axis=1), [(0, 0), (0, pq - seq_q)],
+                          constant_values=pk)  # padded queries narrow nothing
+        bounds = offset_bounds(nq, nk, bq, bk, offset, window, q_first, last)
+        seg_q, seg_k = sq.reshape(batch, nq, bq).transpose(1, 0, 2), sk.reshape(batch, nk, bk).transpose(1, 0, 2)
+    out = _flash(window, 1.0 / math.sqrt(dim), q_segment_ids is not None, qb, kb, vb, seg_q, seg_k, *bounds, offset)
+    return out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, pq, heads, dim)[:, :seq_q]
 
 
 PALLAS_GPU_BLOCKS = (128, 64)

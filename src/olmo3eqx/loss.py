@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from olmo3eqx.context import context_ranks
 from olmo3eqx.model import OLMo3
 
 LOGITS_BUDGET = 1 << 26
@@ -60,7 +61,7 @@ def local_rows(batch: int) -> int:
 def chunk_plan(batch: int, seq: int, vocab: int) -> tuple[int, int]:
     """(positions per chunk, chunks) of map_logits for [batch, seq] inputs traced here: the logits budget is per
     device (a 7B global batch of 512 rows on 128 devices unembeds 4 rows x 128 positions at a time, not 1 position)."""
-    chunk = loss_chunk(local_rows(batch), seq, vocab)
+    chunk = loss_chunk(local_rows(batch), seq // context_ranks(), vocab)  # a chunk never spans two context ranks
     return chunk, seq // chunk
 
 
@@ -98,10 +99,25 @@ def map_chunks(fn: Callable, hidden, lm_head, ys, chunk: int, remat: bool) -> tu
     if chunk == s:
         return unembed_then_fn(hidden, ys)
     chunk_fn = jax.checkpoint(unembed_then_fn) if remat else unembed_then_fn
+    ranks = context_ranks()
+    if ranks > 1:
+        return rank_chunks(chunk_fn, hidden, ys, chunk, ranks)
     hs = hidden.reshape(b, s // chunk, chunk, -1).swapaxes(0, 1)
     yc = ys.reshape(b, s // chunk, chunk).swapaxes(0, 1)
     outs = jax.lax.map(lambda args: chunk_fn(*args), (hs, yc))
     return tuple(o.swapaxes(0, 1).reshape(b, s) for o in outs)
+
+
+def rank_chunks(chunk_fn: Callable, hidden, ys, chunk: int, ranks: int) -> tuple[Array, ...]:
+    """map_chunks' loop with the sequence split over `ranks` context ranks: step i unembeds the i-th chunk of every
+    rank's part of the sequence, so each rank works on its own positions in every step (a loop over chunks of the
+    whole sequence would hand each step to one rank)."""
+    b, s, d = hidden.shape
+    per = s // ranks // chunk
+    hs = hidden.reshape(b, ranks, per, chunk, d).transpose(2, 0, 1, 3, 4).reshape(per, b * ranks, chunk, d)
+    yc = ys.reshape(b, ranks, per, chunk).transpose(2, 0, 1, 3).reshape(per, b * ranks, chunk)
+    outs = jax.lax.map(lambda args: chunk_fn(*args), (hs, yc))
+    return tuple(o.reshape(per, b, ranks, chunk).transpose(1, 2, 0, 3).reshape(b, s) for o in outs)
 
 
 def rows_per_device(batch: int) -> bool:

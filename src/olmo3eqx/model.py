@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from olmo3eqx import precision
 from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
+from olmo3eqx.context import context_ranks, split_rows
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -88,7 +89,12 @@ class Linear(eqx.Module):
     def __call__(self, x: Float[Array, "*batch din"]) -> Float[Array, "*batch dout"]:
         # One 2-D matmul whatever the leading axes (see the module doc).
         x2 = x.reshape(-1, x.shape[-1])
+        split = context_ranks() > 1 and x.ndim == 3  # [rows, seq, din] with the sequence over context
+        if split:
+            x2 = split_rows(x2, precision.row_axes())
         y = x2 @ self.weight if self.gather_spec is None else precision.dense(x2, self.weight, self.gather_spec)
+        if split:
+            y = split_rows(y, precision.row_axes())
         return y.reshape(*x.shape[:-1], self.weight.shape[1])
 
 

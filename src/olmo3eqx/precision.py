@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from olmo3eqx.specs import CONTEXT, context_size
+
 _GATHER: contextvars.ContextVar[str] = contextvars.ContextVar("gather_dtype", default="compute")
 
 
@@ -77,7 +79,13 @@ def explicit() -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if _GATHER.get() != "compute" or mesh.empty or not {"fsdp", "tensor"} <= set(mesh.axis_names):
         return False
-    return mesh.shape["fsdp"] > 1
+    return mesh.shape["fsdp"] * context_size(mesh) > 1
+
+
+def context_split(mesh) -> bool:
+    """Whether `mesh` has a context axis (mesh.context > 1): its sequences are split too, which the per-device paths
+    here (`hierarchical`, loss.per_device: each device's rows) do not handle; the partitioner reduces there."""
+    return context_size(mesh) > 1
 
 
 def param_spec(names: tuple[str, ...], shape: tuple[int, ...], *, layer: bool = False) -> P:
@@ -94,13 +102,14 @@ def param_spec(names: tuple[str, ...], shape: tuple[int, ...], *, layer: bool = 
 
 
 def without_fsdp(spec: P) -> P:
-    """`spec` with the fsdp axis dropped from every entry (the weight gathered over fsdp, other splits kept)."""
+    """`spec` with the fsdp axis (and context, which shards the weights with it) dropped from every entry (the weight
+    gathered over fsdp x context, other splits kept)."""
 
     def drop(entry):
         if isinstance(entry, tuple):
-            kept = tuple(a for a in entry if a != "fsdp")
+            kept = tuple(a for a in entry if a not in ("fsdp", CONTEXT))
             return kept if len(kept) > 1 else (kept[0] if kept else None)
-        return None if entry == "fsdp" else entry
+        return None if entry in ("fsdp", CONTEXT) else entry
 
     return P(*(drop(e) for e in spec))
 
@@ -195,7 +204,8 @@ def rows_split(rows: int) -> bool:
     """Whether the mesh in context splits `rows` over its batch axes (`row_axes`, more than one device) with no
     tensor split: then each device's rows can be worked on the device (`hierarchical`, loss.per_device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1:
+    if mesh.empty or not {"data", "fsdp", "tensor"} <= set(mesh.axis_names) or mesh.shape["tensor"] != 1 \
+            or context_split(mesh):
         return False
     shards = math.prod(mesh.shape[a] for a in row_axes())
     return shards > 1 and rows % shards == 0

@@ -1,7 +1,9 @@
 """The device mesh and the run's Layout; the rule that maps a parameter path to a PartitionSpec lives in specs.py.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with parameters and optimizer state sharded),
-`tensor` (Megatron-style column/row split of the projections). The batch is split over (data, fsdp).
+`tensor` (Megatron-style column/row split of the projections), and with mesh.context > 1 `context` (each
+sequence split into chunks; parameters sharded over fsdp x context). The batch is split over (data, fsdp), its
+sequence over context.
 The same rule shards parameters and optimizer state: it looks only at the module names in a leaf's path
 and its shape, so `opt_state[...].mu.blocks.mlp.up_proj.weight` lands where `blocks.mlp.up_proj.weight` does.
 GSPMD style throughout (AxisType.Auto). `build_layout(cfg)` puts it together for a run: mesh, batch plan,
@@ -10,6 +12,7 @@ optimizer, abstract train state and its shardings, which the loop, the dry run, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -25,13 +28,26 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from olmo3eqx import optim
 from olmo3eqx.config import MeshConfig, TrainConfig
 from olmo3eqx.errors import ConfigError
-from olmo3eqx.specs import AXES, BATCH_AXES, COLUMN, ROW, partition_spec  # noqa: F401 (the rule, re-exported)
+from olmo3eqx.specs import (  # noqa: F401 (the rule, re-exported)
+    AXES, BATCH_AXES, COLUMN, CONTEXT, CONTEXT_AXES, ROW, context_size, partition_spec)
 from olmo3eqx.state import TrainState, abstract_state, init_state
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) for `num_devices` devices; MeshConfig has checked the sizes themselves."""
+def mesh_axes(cfg: MeshConfig) -> tuple[str, ...]:
+    """The mesh's axis names: (data, fsdp, tensor), with `context` before tensor when mesh.context > 1."""
+    return CONTEXT_AXES if cfg.context > 1 else AXES
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, ...]:
+    """(data, fsdp, tensor) for `num_devices` devices, (data, fsdp, context, tensor) with a context axis; MeshConfig
+    has checked the sizes themselves."""
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    if cfg.context > 1:  # the sizes the messages below name are data, fsdp and tensor; context divides first
+        if num_devices % cfg.context:
+            raise ConfigError(f"mesh.context={cfg.context} does not divide the {num_devices} devices; choose a "
+                              f"context size that does.")
+        sizes = list(mesh_shape(dataclasses.replace(cfg, context=1), num_devices // cfg.context))
+        return sizes[0], sizes[1], cfg.context, sizes[2]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
@@ -90,23 +106,24 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     span granules is refused, or with mesh.cross_nodes built granule-major with a warning. One granule: JAX's
     topology-aware grid of all devices."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(cfg, len(devices))
+    shape, axes = mesh_shape(cfg, len(devices)), mesh_axes(cfg)
     ids = granule_ids(devices, cfg.node_devices)
     count = int(ids.max()) + 1
     if count == 1:
-        return Mesh(device_grid(shape, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return Mesh(device_grid(shape, devices), axes, axis_types=(AxisType.Auto,) * len(axes))
     sizes = np.bincount(ids)
     what = "slices" if devices[0].platform == "tpu" and cfg.node_devices == 0 else "nodes"
     if len(set(sizes.tolist())) > 1:
         raise ConfigError(f"The {len(devices)} devices fall into {count} {what} of unequal sizes "
                           f"({', '.join(map(str, sizes))} devices); run on equal {what} or set mesh.node_devices.")
     per = int(sizes[0])
-    data, fsdp, tensor = shape
+    data, fsdp, tensor = shape[0], shape[1] * cfg.context, shape[-1]  # context within a granule, as fsdp
     groups = [[d for d, i in zip(devices, ids) if i == g] for g in range(count)]
     if per % (fsdp * tensor) == 0 and data % count == 0:
-        grid = np.concatenate([device_grid((data // count, fsdp, tensor), g) for g in groups], axis=0)
-        return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    axis = f"mesh.fsdp={fsdp}" if tensor == 1 else f"mesh.fsdp={fsdp} x tensor={tensor}"
+        grid = np.concatenate([device_grid((data // count, *shape[1:]), g) for g in groups], axis=0)
+        return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+    axis = f"mesh.fsdp={shape[1]}" + (f" x context={cfg.context}" if cfg.context > 1 else "") + \
+        ("" if tensor == 1 else f" x tensor={tensor}")
     span = -(-fsdp * tensor // per)
     if fsdp * tensor > per:
         where = f"would span {span} {what} of {per} devices"
@@ -119,7 +136,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     print(f"warning: {axis} {where}: its all-gathers and reduce-scatters cross the network (mesh.cross_nodes).",
           file=sys.stderr, flush=True)
     ordered = [d for g in groups for d in g]
-    return Mesh(np.asarray(ordered).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return Mesh(np.asarray(ordered).reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def node_mesh(devices=None) -> Mesh:
@@ -155,7 +172,16 @@ def model_shardings(model, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over (data, fsdp), the rest whole (evaluation and generation batches, whatever the mesh)."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def sequence_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """A training batch's: rows over (data, fsdp) and, with a context axis, a [rows, seq] array's sequence over
+    context (batch_sharding without one)."""
+    if ndim >= 2 and context_size(mesh) > 1:
+        return NamedSharding(mesh, P(BATCH_AXES, CONTEXT, *([None] * (ndim - 2))))
+    return batch_sharding(mesh, ndim)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -234,7 +260,7 @@ class Layout:
 
     def batch_target(self, seq_len: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """(tokens, mask[, segment_ids, label_mask]) of one global batch as sharded ShapeDtypeStructs."""
-        b, rows = self.plan.global_batch, batch_sharding(self.mesh, 2)
+        b, rows = self.plan.global_batch, sequence_sharding(self.mesh, 2)
         target = (jax.ShapeDtypeStruct((b, seq_len), jnp.int32, sharding=rows),
                   jax.ShapeDtypeStruct((b,), jnp.float32, sharding=batch_sharding(self.mesh, 1)))
         if self.packed:
@@ -247,7 +273,7 @@ class Layout:
         {"segment_ids", "label_mask"}) -> the global arrays the train step takes, in batch_target's order."""
         tokens, mask = batch["tokens"], batch["mask"]
         shape = (self.plan.global_batch, tokens.shape[1])
-        rows = batch_sharding(self.mesh, 2)
+        rows = sequence_sharding(self.mesh, 2)
         out = (jax.make_array_from_process_local_data(rows, tokens, shape),
                jax.make_array_from_process_local_data(batch_sharding(self.mesh, 1), mask, shape[:1]))
         if self.packed:
@@ -263,6 +289,9 @@ class Layout:
 
 def build_layout(cfg: TrainConfig, devices=None) -> Layout:
     """The Layout of `cfg` on `devices` (default: every device)."""
+    if cfg.data.seq_len % cfg.mesh.context:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into mesh.context={cfg.mesh.context} equal "
+                          f"chunks; choose a context size that divides it.")
     mesh = make_mesh(cfg.mesh, devices)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
     optimizer = optim.make_optimizer(cfg.optim, cfg.steps)

@@ -10,6 +10,15 @@ from olmo3eqx.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+CONTEXT = "context"
+"""The context-parallel axis (mesh.context > 1 only: a mesh without it is the plain (data, fsdp, tensor) one). It
+splits each instance's sequence, and shards the parameters together with fsdp."""
+CONTEXT_AXES = ("data", "fsdp", CONTEXT, "tensor")
+
+
+def context_size(mesh: Mesh | AbstractMesh) -> int:
+    """Chunks each sequence is split into on `mesh` (1 without a context axis)."""
+    return dict(mesh.shape).get(CONTEXT, 1)
 # Column-parallel (output dim split over `tensor`) and row-parallel (input dim split) projections.
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROW = ("o_proj", "down_proj")
@@ -27,7 +36,8 @@ def _names(path) -> list[str]:
 def partition_spec(path, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> P:
     """The rule. Layer-stacked leaves (under `blocks`) keep their leading layer axis unsharded; the tensor axis
     splits the output of column-parallel and the input of row-parallel projections; fsdp then takes the largest
-    remaining dimension it divides. Scalars and anything fsdp divides nowhere are replicated."""
+    remaining dimension it divides (fsdp x context jointly on a mesh with a context axis, as OLMo-core's FSDP shards
+    over its data and context ranks). Scalars and anything fsdp divides nowhere are replicated."""
     names = _names(path)
     spec: list = [None] * len(shape)
     first = 1 if "blocks" in names and len(shape) >= 1 else 0
@@ -48,8 +58,10 @@ def partition_spec(path, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> P
                 raise ConfigError(f"Parameter {'.'.join(names)} dim {shape[tdim]} is not divisible by "
                                   f"mesh.tensor={tensor}; choose a tensor size that divides it.")
             spec[tdim] = "tensor"
-    if fsdp > 1 and len(dims) >= 2:
-        free = sorted((d for d in dims if spec[d] is None and shape[d] % fsdp == 0), key=lambda d: -shape[d])
+    shard = tuple(a for a, n in (("fsdp", fsdp), (CONTEXT, context_size(mesh))) if n > 1)
+    size = fsdp * context_size(mesh)
+    if size > 1 and len(dims) >= 2:
+        free = sorted((d for d in dims if spec[d] is None and shape[d] % size == 0), key=lambda d: -shape[d])
         if free:
-            spec[free[0]] = "fsdp"
+            spec[free[0]] = shard[0] if len(shard) == 1 else shard
     return P(*spec)

@@ -22,10 +22,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
+from olmo3eqx.context import splitting_sequences
 from olmo3eqx.loss import label_weights, loss_sums
 from olmo3eqx.model import DTYPE, cast_floating
 from olmo3eqx.precision import traced_gathering
-from olmo3eqx.sharding import BATCH_AXES, Layout, batch_sharding, on_mesh
+from olmo3eqx.sharding import Layout, batch_sharding, on_mesh, sequence_sharding
 from olmo3eqx.state import TrainState
 
 
@@ -68,7 +69,7 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
     data), so the bytes that cross nodes a step are those of one micro-batch."""
     ocfg: OptimConfig = cfg.optim
     plan, mesh = layout.plan, layout.mesh
-    micro_sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    micro_sharding = NamedSharding(mesh, P(None, *sequence_sharding(mesh, 2).spec))
     param_specs = jax.tree.map(lambda s: s.spec, layout.shardings.model)
     grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
 
@@ -91,6 +92,7 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
         return jax.lax.scan(accumulate, (zeros, jnp.zeros(()), jnp.zeros(())),
                             (micro_tokens, micro_mask, micro_packed))[0]
 
+    @splitting_sequences
     def gradients(params, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
         total = jnp.maximum(jnp.sum(label_weights(tokens, mask, label_mask)), 1.0)
@@ -149,7 +151,7 @@ def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:
         }
         return TrainState(new_model, new_opt_state, step, spike), metrics
 
-    bsh = batch_sharding(mesh, 2)
+    bsh = sequence_sharding(mesh, 2)
     batch_shardings = (bsh, batch_sharding(mesh, 1)) + ((bsh, bsh) if layout.packed else ())
     return jax.jit(on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype, train_step)), in_shardings=(shardings, *batch_shardings),
                    out_shardings=(shardings, None), donate_argnums=0,

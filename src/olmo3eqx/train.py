@@ -173,6 +173,8 @@ def dry_run(cfg, target: str | None = None) -> None:
           f"{plan.per_device_batch} per device x {plan.accum_steps} accumulation steps")
     print(f"remat:                 {remat}" + (f" (model.remat_by_chip: {chip})" if chip else ""))
     print(f"attention:             {attention_backend(cfg, layout, gpu)}")
+    if cfg.mesh.context > 1:
+        print(f"context parallel:      {context_line(cfg)}")
     tpu_flags = jaxenv.describe_tpu_flags(cfg.mesh.tpu_flags, kind, os.environ)
     if tpu_flags:
         print(f"XLA:TPU flags:         {tpu_flags}")
@@ -185,6 +187,18 @@ def dry_run(cfg, target: str | None = None) -> None:
     print("\n".join(aot.compile_step(cfg, layout, gpu).lines()))
 
 
+def context_line(cfg) -> str:
+    """The dry run's line for mesh.context: each rank's chunk and how evenly attention's work falls on the ranks."""
+    from olmo3eqx.config import SLIDING
+    from olmo3eqx.context import attention_balance
+
+    m, seq, ranks = cfg.model, cfg.data.seq_len, cfg.mesh.context
+    windows = [m.sliding_window if t == SLIDING else None for t in m.resolved_layer_types]
+    return (f"{ranks} ranks x {seq // ranks:,} tokens of each sequence, keys and values all-gathered per layer; "
+            f"attention FLOPs per rank max/mean {attention_balance(windows, seq, ranks):.3f} (contiguous chunks: "
+            f"no causal load balancing)")
+
+
 def attention_backend(cfg, layout, gpu=None) -> str:
     """The attention backend the compiled step uses on the layout's devices (model.attention_impl resolved for the
     run's batches: documents masked when data.packing), or on the GPU node `gpu` plans for."""
@@ -193,7 +207,7 @@ def attention_backend(cfg, layout, gpu=None) -> str:
     import jax
     import jax.numpy as jnp
 
-    from olmo3eqx.attention import planning_for, resolve, splash_blocks
+    from olmo3eqx.attention import context_backend, planning_for, resolve, splash_blocks
     from olmo3eqx.flash import blocks_for
     from olmo3eqx.model import DTYPE
 
@@ -202,6 +216,10 @@ def attention_backend(cfg, layout, gpu=None) -> str:
     with (jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh),
           planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext()):
         backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]), documents=cfg.data.packing, seq=seq)
+        if cfg.mesh.context > 1 and context_backend(backend) != backend:
+            return f"{context_backend(backend)} in place of {backend} (mesh.context: queries at an offset){masked}"
+        if cfg.mesh.context > 1:
+            seq //= cfg.mesh.context  # each rank's queries
         if backend == "flash":
             _, bq, bkv = blocks_for(seq, m.attention_block_q, m.attention_block_kv)
             return f"flash, blocks {bq} x {bkv}{masked}"
