@@ -70,6 +70,7 @@ def calls(monkeypatch):
     monkeypatch.setattr("jax.distributed.initialize", lambda **kw: got.append(kw))
     monkeypatch.setattr(distributed, "publish_nodes", lambda *a: ())
     monkeypatch.setattr(distributed, "nodes", ())
+    monkeypatch.setattr("olmo3eqx.peers.watch", lambda *a: None)  # no watcher thread, no exits.ending left behind
     return got
 
 

@@ -83,3 +83,27 @@ def test_an_error_every_process_reaches_ends_each_with_its_own_sentence():
     assert [c for c, _, _ in results] == [exits.BAD_INPUT] * 2, report
     for i, (_, errors, _) in enumerate(results):
         assert errors == [f"error (process {i} of 2): bad input on process {i}."], report
+
+
+def test_a_command_of_one_process_ends_as_without_peers_whatever_ending_is_set_to(monkeypatch, capsys):
+    """With the stop hook installed but no other process to stop (jax.distributed not running: a single-process
+    command in a process whose earlier work installed it), a command ends exactly as it does without it: its error's
+    sentence and code, an unexpected error re-raised with its traceback (not turned into exit 1 and printed)."""
+    from olmo3eqx import peers
+    from olmo3eqx.errors import ConfigError
+
+    monkeypatch.setattr(exits, "ending", peers.leave)
+    monkeypatch.setattr(peers, "peers", peers.Peers(0, 2))  # watched once, but no coordination service is up
+
+    @exits.command
+    def refused():
+        raise ConfigError("bad input here.")
+
+    @exits.command
+    def buggy():
+        raise ZeroDivisionError("a bug")
+
+    assert refused() == exits.BAD_INPUT
+    assert capsys.readouterr().err == "error: bad input here.\n"
+    with pytest.raises(ZeroDivisionError):
+        buggy()

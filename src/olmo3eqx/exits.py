@@ -120,10 +120,10 @@ def outcome(e: Exception) -> tuple[int, str]:
     return known[0], f"error{process_tag()}: {known[1]}"
 
 
-ending: Callable[[int, str], int] | None = None
+ending: Callable[[int, str], None] | None = None
 """How an error ends a command whose process is one of several that stop together: set by olmo3eqx.peers (its
-`leave`, given the exit code and what to print) once it watches them; None (one process): print and return the
-code."""
+`leave`, given the exit code and what to print, which never returns while it watches them); when it returns (one
+process, or jax.distributed already shut down) the command ends as it would without it."""
 
 
 def command(main: Callable[..., int | None]) -> Callable[..., int]:
@@ -139,7 +139,7 @@ def command(main: Callable[..., int | None]) -> Callable[..., int]:
             code = main(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified by exit_code; the rest is re-raised
             if ending is not None:
-                return ending(*outcome(e))
+                ending(*outcome(e))  # returns only where no other process is to stop with this one
             if exit_code(e) is None:
                 if unexpected_line():
                     print(unexpected_line(), file=sys.stderr, flush=True)

@@ -184,14 +184,13 @@ def leaving(error: Exception) -> None:
     peers.claim(peers.failing[0])
 
 
-def leave(code: int, text: str) -> int:
+def leave(code: int, text: str) -> None:
     """End this process with the `code` of the error it stopped on, printing `text` (exits.outcome's) on stderr:
     when `watching`, through the stop (never returns), and silently when the watcher is already ending the process
     (the main thread's error is then the echo of the stop, e.g. a collective broken by a peer that left); else
-    return `code`."""
+    return, and exits.command ends the command as it does with one process (an unexpected error re-raised)."""
     if not watching():
-        print(text, file=sys.stderr, flush=True)
-        return code
+        return
     if not peers.take_ending():
         threading.Event().wait()  # the watcher is ending the process
     print(text, file=sys.stderr, flush=True)
