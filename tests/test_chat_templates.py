@@ -168,9 +168,10 @@ def test_one_byte_changed_is_caught(instruct_tokenizer, tmp_path):
     assert not one_byte_changed((chat.TEMPLATES / "olmo3_instruct.jinja").read_text()).startswith(prefix)
 
 
-def test_tool_tags_are_single_ids(instruct_tokenizer, tmp_path):
+def test_tool_tags_are_single_ids(instruct_tokenizer, tmp_path, capsys):
     """The instruct tokenizer keeps every id and gives each tool tag one: the ids of the placeholders it renames
-    (100266-100269 in dolma2); the base tokenizer splits them; a tokenizer without the placeholders is refused."""
+    (100266-100269 in dolma2); the base tokenizer splits them, and prepare says so; a tokenizer without the
+    placeholders is refused."""
     from tokenizers import Tokenizer
 
     from olmo3eqx.errors import DataError
@@ -186,6 +187,10 @@ def test_tool_tags_are_single_ids(instruct_tokenizer, tmp_path):
         (chat.TEMPLATES / "olmo3_instruct.jinja").read_text()
     assert tool_tokens.add_tool_tokens(json.loads(Path(instruct_tokenizer).read_text())) == \
         json.loads(Path(instruct_tokenizer).read_text())  # already an instruct tokenizer: unchanged
+    chat.prepare_chat([str(FIXTURES / "dolci_tool_use.jsonl")], tokenizer=str(tmp_path / "base.json"),
+                      chat_template="olmo3_instruct", out=tmp_path / "split", progress=False)
+    assert "base.json splits the template's <functions>, </functions>, <function_calls>, </function_calls>" in \
+        capsys.readouterr().err
     spec = json.loads((tmp_path / "base.json").read_text())
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|extra_id_3|>"]
     with pytest.raises(DataError, match="no <\\|extra_id_3\\|>"):

@@ -324,7 +324,7 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}.")
     chat = ChatTokenizer(tokenizer, chat_template, eos_id)
     pieces = [t for t in TOOL_TOKENS.values() if t in chat.template and len(chat.encode_text(t)) > 1]
-    if pieces and progress:
+    if pieces and tokenizer != BYTES:
         print(f"note: {tokenizer} splits the template's {', '.join(pieces)} into several ids each; AI2's instruct "
               f"tokenizer gives each one id (olmo3eqx-prepare instruct-tokenizer).", file=sys.stderr)
     dtype = token_dtype_for_vocab(chat.vocab_size)
