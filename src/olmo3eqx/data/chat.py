@@ -2,7 +2,10 @@
 
     olmo3eqx-prepare chat --input chats.jsonl --tokenizer tokenizer.json --chat-template olmo --out sft/
 
-Rows are `{"messages": [{"role", "content"}, ...]}` objects: JSON Lines (.jsonl, .jsonl.gz; local files, globs or
+Rows are `{"messages": [{"role", "content"}, ...]}` objects in Dolci's schema (AI2's OLMo 3 SFT data): a system or
+user message may carry `functions` (the tool definitions, a JSON string the templates put in <functions></functions>),
+an assistant message `function_calls` (its calls, a string; its `content` may then be null), and a tool's result is an
+`environment` turn. They come as JSON Lines (.jsonl, .jsonl.gz; local files, globs or
 gs:// s3:// https:// URLs) or a Hugging Face `datasets` dataset saved to disk (`save_to_disk`). Each conversation is
 rendered with the tokenizer's chat template (a Jinja template, rendered as transformers' `apply_chat_template` renders
 it: the same sandboxed environment and variables) and encoded with the `tokenizers` library, special tokens matched as
@@ -44,17 +47,23 @@ from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
 from olmo3eqx.data.packed import pack_files
 from olmo3eqx.data.prepare import BYTES, DEFAULT_SHARD_TOKENS, EOS_TOKEN, tokenizer_info
 from olmo3eqx.data.source import METADATA, token_dtype_for_vocab
+from olmo3eqx.data.tool_tokens import TOOL_TOKENS
 from olmo3eqx.errors import DataError
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
-"""Built-in templates by name: olmo.jinja and olmo_thinker.jinja (open-instruct's CHAT_TEMPLATES["olmo"], which AI2's
-OLMo 3 SFT data is tokenized with, and its "olmo_thinker", whose generation prompt opens <think>), and bytes.jinja
-(plain "User: ... / Assistant: ..." turns for the byte-level tokenizer)."""
+"""Built-in templates by name, kept as data with their sources in sources.json: AI2's olmo3_instruct (the Olmo 3
+Instruct tokenizer's, which the Instruct SFT data is tokenized with: no identity system prompt, tool tags) and
+olmo_thinker_no_think_7b (the 7B Think SFT data's: no <think> in the generation prompt, so <think> is labelled),
+open-instruct's olmo and olmo_thinker byte for byte, and bytes.jinja (plain "User: ... / Assistant: ..." turns for the
+byte-level tokenizer)."""
 AI2_SFT_EPOCHS = 2
 AI2_SFT_BATCH_TOKENS = 1_048_576
 """OLMo 3 7B SFT: 2 epochs of 1,048,576-token batches; prepare prints the steps that makes for the data it wrote."""
 KNOWN_ROLES = ("system", "user", "assistant", "environment")
-"""The roles the olmo template renders (any other it would drop without a word)."""
+"""The roles the OLMo templates render (any other the olmo template would drop without a word); Dolci's tool results
+are environment turns."""
+CALL_FIELDS = ("functions", "function_calls")
+"""Dolci's tool fields of a message: strings, or null where a `datasets` table fills a field a message lacks."""
 END_OF_TURN = "<|im_end|>"
 """What ends an assistant turn that is not the conversation's last (the olmo template); generation stops there too."""
 TOKEN_FILE, MASK_FILE = "token_ids_part_{:04d}.npy", "labels_mask_part_{:04d}.npy"
@@ -63,7 +72,8 @@ FORMAT_VERSION = 1
 LongPolicy = Literal["truncate", "skip"]
 
 REASONS = {
-    "malformed": "not a {\"messages\": [{\"role\", \"content\"}, ...]} object",
+    "malformed": "not a {\"messages\": [{\"role\", \"content\"}, ...]} object of strings (content null only beside "
+                 "function_calls)",
     "unknown_role": "with a role other than " + ", ".join(KNOWN_ROLES),
     "no_assistant": "without an assistant turn",
     "too_long": "longer than --max-seq-len (--long skip)",
@@ -76,7 +86,7 @@ REASONS = {
 
 
 def load_template(spec: str | None, tokenizer: str) -> str:
-    """The chat template's text: `spec` a built-in name (olmo, bytes), a .jinja file, or a tokenizer_config.json with
+    """The chat template's text: `spec` a built-in name (TEMPLATES), a .jinja file, or a tokenizer_config.json with
     a "chat_template"; unset, the tokenizer's own (chat_template.jinja or tokenizer_config.json beside its
     tokenizer.json) or, for the byte-level tokenizer, the bytes template."""
     if spec is None:
@@ -148,9 +158,11 @@ class ChatTokenizer:
         self.sha256 = hashlib.sha256(self.template.encode()).hexdigest()
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The template's text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it."""
+        """The template's text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it: with
+        `tools` None as transformers passes it (the instruct template tests `tools is none`); Dolci's tool
+        definitions travel in the messages' `functions`."""
         return compiled(self.template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                              eos_token=self.eos_token, bos_token="", pad_token="")
+                                              tools=None, eos_token=self.eos_token, bos_token="", pad_token="")
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of rendered text, special tokens matched where written and none added (bytes: utf-8 bytes, the EOS
@@ -180,12 +192,22 @@ class ChatTokenizer:
         return np.asarray(ids, np.int64), mask
 
 
+def well_formed(message) -> bool:
+    """Whether `message` is one of Dolci's: a role, string content (or null on an assistant turn that calls
+    functions), and tool fields that are strings or null."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return False
+    if not all(message.get(k) is None or isinstance(message.get(k), str) for k in CALL_FIELDS):
+        return False
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and message["role"] == "assistant"
+                                        and isinstance(message.get("function_calls"), str))
+
+
 def check_row(row) -> str | None:
     """Why a row cannot be a conversation (a key of REASONS), or None."""
     messages = row.get("messages") if isinstance(row, dict) else None
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+    if not isinstance(messages, list) or not messages or not all(well_formed(m) for m in messages):
         return "malformed"
     if any(m["role"] not in KNOWN_ROLES for m in messages):
         return "unknown_role"
@@ -301,6 +323,10 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
     if shard_tokens <= 0:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}.")
     chat = ChatTokenizer(tokenizer, chat_template, eos_id)
+    pieces = [t for t in TOOL_TOKENS.values() if t in chat.template and len(chat.encode_text(t)) > 1]
+    if pieces and tokenizer != BYTES:
+        print(f"note: {tokenizer} splits the template's {', '.join(pieces)} into several ids each; AI2's instruct "
+              f"tokenizer gives each one id (olmo3eqx-prepare instruct-tokenizer).", file=sys.stderr)
     dtype = token_dtype_for_vocab(chat.vocab_size)
     out = Path(out).expanduser()
     if (out / METADATA).is_file():
@@ -386,7 +412,8 @@ class Args:
     tokenizer: str = BYTES
     """A tokenizer.json or 'bytes' (id = byte, EOS 256)."""
     chat_template: str | None = None
-    """A built-in template (olmo, bytes), a .jinja file or a tokenizer_config.json; unset: the tokenizer's own
+    """A built-in template (olmo3_instruct, olmo_thinker_no_think_7b, olmo, olmo_thinker, bytes), a .jinja file or
+    a tokenizer_config.json; unset: the tokenizer's own
     (chat_template.jinja or tokenizer_config.json beside it), the bytes template for 'bytes'."""
     eos_id: int | None = None
     """EOS id of a tokenizer.json; default: its <|endoftext|> token."""
