@@ -3,7 +3,9 @@
     olmo3eqx-prepare chat --input chats.jsonl --tokenizer tokenizer.json --chat-template olmo --out sft/
 
 Rows are `{"messages": [{"role", "content"}, ...]}` objects: JSON Lines (.jsonl, .jsonl.gz; local files, globs or
-gs:// s3:// https:// URLs) or a Hugging Face `datasets` dataset saved to disk (`save_to_disk`). Each conversation is
+gs:// s3:// https:// URLs), a Hugging Face `datasets` dataset saved to disk (`save_to_disk`), or a Hub dataset by
+name (hf://allenai/Dolci-Instruct-SFT; olmo3eqx.data.hub); `--mix` takes them from a mixture of sources with
+open-instruct's per-source amounts (olmo3eqx.data.chat_mix). Each conversation is
 rendered with the tokenizer's chat template (a Jinja template, rendered as transformers' `apply_chat_template` renders
 it: the same sandboxed environment and variables) and encoded with the `tokenizers` library, special tokens matched as
 written, none added. The label mask follows open-instruct's `sft_tulu_tokenize_and_truncate_v1`, which AI2's
@@ -40,6 +42,7 @@ from typing import Literal
 import numpy as np
 
 from olmo3eqx import exits, storage
+from olmo3eqx.data import chat_mix, hub
 from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
 from olmo3eqx.data.packed import pack_files
 from olmo3eqx.data.prepare import BYTES, DEFAULT_SHARD_TOKENS, EOS_TOKEN, tokenizer_info
@@ -219,6 +222,9 @@ def iter_rows(inputs: Sequence[str], split: str = "train") -> Iterator[tuple[str
     """(where, row) of every input row in argument order: JSON Lines files (local, globs or URLs) and saved
     `datasets` directories (`split` of a DatasetDict). A line that is not JSON is given as None."""
     for arg in inputs:
+        if hub.is_hub(arg):
+            yield from _hub_rows(arg, split)
+            continue
         arg = storage.check(arg, "--input")
         if not storage.is_url(arg) and is_saved_dataset(os.path.expanduser(arg)):
             yield from _dataset_rows(os.path.expanduser(arg), split)
@@ -228,16 +234,28 @@ def iter_rows(inputs: Sequence[str], split: str = "train") -> Iterator[tuple[str
             raise DataError(f"Input {storage.redact(arg)} is neither a JSON Lines file, a glob of them, nor a saved "
                             f"datasets directory; fix --input.")
         for path in files:
-            data = storage.read_bytes(path)
-            if path.endswith(".gz"):
-                data = gzip.decompress(data)
-            for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        row = None
-                    yield f"{storage.redact(path)} line {n}", row
+            yield from _jsonl_rows(path, storage.redact(path))
+
+
+def _jsonl_rows(path: str, where: str) -> Iterator[tuple[str, object]]:
+    data = storage.read_bytes(path)
+    if path.endswith(".gz"):
+        data = gzip.decompress(data)
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            yield f"{where} line {n}", row
+
+
+def _hub_rows(spec: str, split: str) -> Iterator[tuple[str, object]]:
+    """The rows of a Hub dataset's split (olmo3eqx.data.hub), file by file."""
+    repo, _ = hub.parse(spec)
+    for path in hub.data_files(spec, split):
+        where = f"{hub.SCHEME}{repo} {path.name}"
+        yield from (hub.parquet_rows(path, where) if path.suffix == ".parquet" else _jsonl_rows(str(path), where))
 
 
 def _dataset_rows(path: str, split: str) -> Iterator[tuple[str, object]]:
@@ -291,8 +309,20 @@ def _write(path: Path, array: np.ndarray) -> None:
 
 def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat_template: str | None = None,
                  eos_id: int | None = None, max_seq_len: int | None = None, long: LongPolicy = "truncate",
-                 shard_tokens: int = DEFAULT_SHARD_TOKENS, split: str = "train", progress: bool = True) -> dict:
-    """Tokenize chat rows into OLMo-core's SFT files under local directory `out`; returns the metadata written."""
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, split: str = "train", progress: bool = True,
+                 mix: str | None = None) -> dict:
+    """Tokenize chat rows into OLMo-core's SFT files under local directory `out`; returns the metadata written.
+    `mix` (olmo3eqx.data.chat_mix) takes the rows from a mixture's sources instead of `inputs`."""
+    if bool(mix) == bool(inputs):
+        raise DataError("Give either --input (files, globs, URLs, hf://OWNER/NAME) or --mix (a mixture), not both "
+                        "and not neither.")
+    mix_stats: list[dict] = []
+    if mix:
+        mix_name, sources = chat_mix.read_mix(mix)
+        inputs = [s.spec for s in sources]
+        rows = chat_mix.mix_rows(sources, split, lambda spec: iter_rows([spec], split), mix_stats)
+    else:
+        rows = iter_rows(inputs, split)
     if storage.is_url(str(out)):
         raise storage.UnsupportedPath(f"--out {storage.redact(str(out))} is a URL; write the token files to local "
                                       f"disk, then copy the directory to the bucket.")
@@ -327,7 +357,7 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
 
     from tqdm import tqdm
 
-    for where, row in tqdm(iter_rows(inputs, split), desc="tokenize", unit=" rows", file=sys.stderr,
+    for where, row in tqdm(rows, desc="tokenize", unit=" rows", file=sys.stderr,
                            disable=not progress, delay=2.0):
         report.rows += 1
         reason = check_row(row)
@@ -360,6 +390,8 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
             "rows": report.rows, "conversations": report.kept, "truncated": report.truncated,
             "tokens": report.tokens, "labelled_tokens": report.labelled,
             "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()}}
+    if mix:
+        meta["mix"] = {"name": mix_name, "sources": mix_stats}
     if max_seq_len is not None and not max_seq_len & (max_seq_len - 1):
         meta["packed_instances"] = int(pack_files(spans, seq_len=max_seq_len, group_size=1)[1].size - 1)
     (out / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
@@ -378,11 +410,15 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
 class Args:
     """Tokenize chat data into OLMo-core's SFT files: token ids and an assistant-only label mask per file."""
 
-    input: tuple[str, ...]
-    """JSON Lines of {"messages": [{"role", "content"}, ...]} (files, globs or gs:// s3:// https:// URLs; .jsonl.gz
-    too), or directories a `datasets` dataset was saved to (save_to_disk)."""
     out: str
     """Output directory (local)."""
+    input: tuple[str, ...] = ()
+    """JSON Lines of {"messages": [{"role", "content"}, ...]} (files, globs or gs:// s3:// https:// URLs; .jsonl.gz
+    too), directories a `datasets` dataset was saved to (save_to_disk), or Hugging Face Hub datasets by name
+    (hf://allenai/Dolci-Instruct-SFT; fetched into the Hugging Face cache, HF_HUB_OFFLINE=1 reads the cache)."""
+    mix: str | None = None
+    """A mixture instead of --input: dolci-instruct-sft, dolci-think-sft-7b, olmo-hybrid-think-sft (AI2's mixer lists,
+    data/sft_mixes/) or a file of 'SOURCE AMOUNT' lines (open-instruct's --dataset_mixer_list)."""
     tokenizer: str = BYTES
     """A tokenizer.json or 'bytes' (id = byte, EOS 256)."""
     chat_template: str | None = None
@@ -395,7 +431,7 @@ class Args:
     long: LongPolicy = "truncate"
     """A conversation over --max-seq-len: truncate (first max-seq-len - 1 tokens, then EOS) or skip (counted)."""
     split: str = "train"
-    """The split of a saved DatasetDict."""
+    """The split of a saved DatasetDict or of a Hub dataset."""
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     """Most tokens a file holds (cut at conversation boundaries)."""
     quiet: bool = False
@@ -408,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv, prog="olmo3eqx-prepare chat")
     return prepare_chat(args.input, tokenizer=args.tokenizer, out=args.out, chat_template=args.chat_template,
                         eos_id=args.eos_id, max_seq_len=args.max_seq_len, long=args.long,
-                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet)
+                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet, mix=args.mix)
 
 
 @exits.command
