@@ -115,3 +115,27 @@ def test_shipped_mixes_name_ai2s_datasets(tmp_path):
     (tmp_path / "bad.txt").write_text("allenai/Dolci-Instruct-SFT all\n")
     with pytest.raises(DataError, match="neither a proportion"):
         chat_mix.read_mix(str(tmp_path / "bad.txt"))
+
+
+def test_shuffle_seed_writes_the_order_datasets_shuffle_gives(tmp_path):
+    """open-instruct filters, then shuffles the tokenized set with datasets' Dataset.shuffle(seed=42), then writes:
+    --shuffle-seed 42 writes the kept conversations in that order (several files, a skipped row not counted)."""
+    datasets = pytest.importorskip("datasets")
+    kept = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * i}]}
+            for i in range(9)]
+    rows = kept[:3] + [{"messages": [{"role": "user", "content": "no answer"}]}] + kept[3:]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = chat.prepare_chat([str(tmp_path / "rows.jsonl")], tokenizer="bytes", out=tmp_path / "shuffled",
+                             shard_tokens=64, shuffle_seed=42, progress=False)
+    order = datasets.Dataset.from_dict({"i": list(range(len(kept)))}).shuffle(seed=42)["i"]
+    assert order != sorted(order) and meta["shuffle_seed"] == 42 and meta["conversations"] == 9
+    (tmp_path / "by_hand.jsonl").write_text("".join(json.dumps(kept[i]) + "\n" for i in order))
+    chat.prepare_chat([str(tmp_path / "by_hand.jsonl")], tokenizer="bytes", out=tmp_path / "by_hand", shard_tokens=64,
+                      progress=False)
+    got, want = outputs(tmp_path / "shuffled"), outputs(tmp_path / "by_hand")
+    assert len(got) > 2
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert meta["files"] == json.loads((tmp_path / "by_hand" / "metadata.json").read_text())["files"]
+    assert all((tmp_path / "shuffled" / t.replace(".npy", ".csv.gz")).is_file() for t, _ in meta["files"])
+    assert not (tmp_path / "shuffled" / chat.UNSHUFFLED).exists()

@@ -33,6 +33,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ END_OF_TURN = "<|im_end|>"
 TOKEN_FILE, MASK_FILE = "token_ids_part_{:04d}.npy", "labels_mask_part_{:04d}.npy"
 """open-instruct's output names (convert_sft_data_for_olmocore.py)."""
 FORMAT_VERSION = 1
+UNSHUFFLED = ".unshuffled"
+"""Where --shuffle-seed writes the conversations in input order before writing them shuffled to --out."""
 LongPolicy = Literal["truncate", "skip"]
 
 REASONS = {
@@ -307,12 +310,65 @@ def _write(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+class Shards:
+    """Conversations written to `out` as OLMo-core's SFT files (token ids, label mask, document index), cut at
+    conversation boundaries every `shard_tokens` tokens; `files` and each file's conversation `spans` so far."""
+
+    def __init__(self, out: Path, dtype, eos_id: int, shard_tokens: int):
+        self.out, self.dtype, self.eos_id, self.shard_tokens = out, dtype, eos_id, shard_tokens
+        out.mkdir(parents=True, exist_ok=True)
+        self.files: list[list[str]] = []
+        self.spans: list[np.ndarray] = []
+        self._ids: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._pending = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        if self._pending and self._pending + ids.size > self.shard_tokens:
+            self.flush()
+        self._ids.append(ids)
+        self._masks.append(mask)
+        self._pending += ids.size
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        k = len(self.files)
+        tokens = np.concatenate(self._ids).astype(self.dtype)
+        _write(self.out / TOKEN_FILE.format(k), tokens)
+        _write(self.out / MASK_FILE.format(k), np.concatenate(self._masks).astype(np.bool_))
+        (self.out / TOKEN_FILE.format(k).replace(".npy", INDEX_SUFFIX)).write_bytes(scan_index(tokens, self.eos_id))
+        self.files.append([TOKEN_FILE.format(k), MASK_FILE.format(k)])
+        sizes = [x.size for x in self._ids]
+        ends = np.cumsum(sizes)
+        self.spans.append(np.stack([ends - sizes, ends], axis=1).astype(np.int64))
+        self._ids, self._masks, self._pending = [], [], 0
+
+
+def shuffled(src: Shards, out: Path, seed: int) -> Shards:
+    """`src`'s conversations rewritten to `out` in the order `datasets`' Dataset.shuffle(seed=seed) puts rows
+    (numpy's default_rng(seed).permutation), as open-instruct shuffles the tokenized set before writing it; `src`'s
+    directory is removed."""
+    where = [(k, int(a), int(b)) for k, spans in enumerate(src.spans) for a, b in spans]
+    tokens = [np.memmap(src.out / t, dtype=src.dtype, mode="r") for t, _ in src.files]
+    masks = [np.memmap(src.out / m, dtype=np.bool_, mode="r") for _, m in src.files]
+    dst = Shards(out, src.dtype, src.eos_id, src.shard_tokens)
+    for i in np.random.default_rng(seed).permutation(len(where)):
+        k, a, b = where[i]
+        dst.add(np.array(tokens[k][a:b]), np.array(masks[k][a:b]))
+    dst.flush()
+    del tokens, masks
+    shutil.rmtree(src.out)
+    return dst
+
+
 def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat_template: str | None = None,
                  eos_id: int | None = None, max_seq_len: int | None = None, long: LongPolicy = "truncate",
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, split: str = "train", progress: bool = True,
-                 mix: str | None = None) -> dict:
+                 mix: str | None = None, shuffle_seed: int | None = None) -> dict:
     """Tokenize chat rows into OLMo-core's SFT files under local directory `out`; returns the metadata written.
-    `mix` (olmo3eqx.data.chat_mix) takes the rows from a mixture's sources instead of `inputs`."""
+    `mix` (olmo3eqx.data.chat_mix) takes the rows from a mixture's sources instead of `inputs`; `shuffle_seed`
+    writes the kept conversations in the order open-instruct's `shuffle(seed)` gives them (shuffled)."""
     if bool(mix) == bool(inputs):
         raise DataError("Give either --input (files, globs, URLs, hf://OWNER/NAME) or --mix (a mixture), not both "
                         "and not neither.")
@@ -336,24 +392,8 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
     if (out / METADATA).is_file():
         raise DataError(f"{out} already holds prepared files; choose another --out or delete {out}.")
     out.mkdir(parents=True, exist_ok=True)
-    report, files, spans = Report(), [], []
-    ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
-    pending = 0
-
-    def flush() -> None:
-        nonlocal ids_parts, mask_parts, pending
-        if not pending:
-            return
-        k = len(files)
-        tokens = np.concatenate(ids_parts).astype(dtype)
-        _write(out / TOKEN_FILE.format(k), tokens)
-        _write(out / MASK_FILE.format(k), np.concatenate(mask_parts).astype(np.bool_))
-        (out / TOKEN_FILE.format(k).replace(".npy", INDEX_SUFFIX)).write_bytes(scan_index(tokens, chat.eos_id))
-        files.append([TOKEN_FILE.format(k), MASK_FILE.format(k)])
-        ends = np.cumsum([x.size for x in ids_parts])
-        spans.append(np.stack([ends - [x.size for x in ids_parts], ends], axis=1).astype(np.int64))
-        ids_parts, mask_parts, pending = [], [], 0
+    report = Report()
+    shards = Shards(out / UNSHUFFLED if shuffle_seed is not None else out, dtype, chat.eos_id, shard_tokens)
 
     from tqdm import tqdm
 
@@ -375,21 +415,21 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
         report.truncated += ids.size < full.size
         report.tokens += ids.size
         report.labelled += int(mask.sum())
-        if pending and pending + ids.size > shard_tokens:
-            flush()
-        ids_parts.append(ids)
-        mask_parts.append(mask)
-        pending += ids.size
-    flush()
+        shards.add(ids, mask)
+    shards.flush()
     if not report.kept:
         raise DataError(f"No conversation to write: {report.sentence()}")
+    if shuffle_seed is not None:
+        shards = shuffled(shards, out, shuffle_seed)
+    files, spans = shards.files, shards.spans
     meta = {"format": FORMAT_VERSION, "kind": "chat", "tokenizer": chat.spec if chat.spec == BYTES else
             Path(chat.spec).name, "vocab_size": chat.vocab_size, "eos_id": chat.eos_id, "dtype": str(dtype),
             "chat_template_sha256": chat.sha256, "max_seq_len": max_seq_len, "long": long,
             "shard_tokens": shard_tokens, "inputs": [storage.redact(i) for i in inputs], "files": files,
             "rows": report.rows, "conversations": report.kept, "truncated": report.truncated,
             "tokens": report.tokens, "labelled_tokens": report.labelled,
-            "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()}}
+            "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()},
+            "shuffle_seed": shuffle_seed}
     if mix:
         meta["mix"] = {"name": mix_name, "sources": mix_stats}
     if max_seq_len is not None and not max_seq_len & (max_seq_len - 1):
@@ -434,6 +474,9 @@ class Args:
     """The split of a saved DatasetDict or of a Hub dataset."""
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     """Most tokens a file holds (cut at conversation boundaries)."""
+    shuffle_seed: int | None = None
+    """Write the kept conversations shuffled as open-instruct does before writing them for OLMo-core (`datasets`'
+    shuffle with this seed; its convert script's default is 42); unset: in input order."""
     quiet: bool = False
     """No progress bar."""
 
@@ -444,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv, prog="olmo3eqx-prepare chat")
     return prepare_chat(args.input, tokenizer=args.tokenizer, out=args.out, chat_template=args.chat_template,
                         eos_id=args.eos_id, max_seq_len=args.max_seq_len, long=args.long,
-                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet, mix=args.mix)
+                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet, mix=args.mix,
+                        shuffle_seed=args.shuffle_seed)
 
 
 @exits.command
