@@ -77,8 +77,10 @@ def read_mix(mix: str) -> tuple[str, list[Source]]:
 
 
 def source_spec(spec: str) -> str:
-    """`OWNER/NAME` that is not a local path is a Hub dataset, as open-instruct's mixer list reads it."""
-    if "://" in spec or Path(spec).expanduser().exists() or spec.count("/") != 1:
+    """`OWNER/NAME` that is not a local path (nor a file name) is a Hub dataset, as open-instruct's mixer list
+    reads it."""
+    if "://" in spec or Path(spec).expanduser().exists() or spec.count("/") != 1 or \
+            spec.endswith((".jsonl", ".jsonl.gz", ".json")):
         return spec
     return hub.SCHEME + spec
 
