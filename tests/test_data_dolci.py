@@ -106,12 +106,14 @@ def test_mix_with_weights_prepares_the_selected_rows(tmp_path):
 
 def test_shipped_mixes_name_ai2s_datasets(tmp_path):
     assert chat_mix.shipped() == ["dolci-instruct-sft", "dolci-think-sft-7b", "olmo-hybrid-think-sft"]
-    assert [(s.spec, s.amount) for s in chat_mix.read_mix("dolci-instruct-sft")[1]] == \
-        [("hf://allenai/Dolci-Instruct-SFT", 1.0)]
-    assert [(s.spec, s.amount) for s in chat_mix.read_mix("dolci-think-sft-7b")[1]] == \
-        [("hf://allenai/Dolci-Think-SFT-7B", 1.0)]
+    # repr: "1.0" (all rows) and "1" (one row) are equal numbers but not the same amount
+    assert [(s.spec, repr(s.amount)) for s in chat_mix.read_mix("dolci-instruct-sft")[1]] == \
+        [("hf://allenai/Dolci-Instruct-SFT", "1.0")]
+    assert [(s.spec, repr(s.amount)) for s in chat_mix.read_mix("dolci-think-sft-7b")[1]] == \
+        [("hf://allenai/Dolci-Think-SFT-7B", "1.0")]
     hybrid = chat_mix.read_mix("olmo-hybrid-think-sft")[1]
-    assert [s.amount for s in hybrid] == [1.0] + [3.0] * 5 and hybrid[0].spec == "hf://allenai/Dolci-Think-SFT-32B"
+    assert [repr(s.amount) for s in hybrid] == ["1.0"] + ["3.0"] * 5
+    assert hybrid[0].spec == "hf://allenai/Dolci-Think-SFT-32B"
     (tmp_path / "bad.txt").write_text("allenai/Dolci-Instruct-SFT all\n")
     with pytest.raises(DataError, match="neither a proportion"):
         chat_mix.read_mix(str(tmp_path / "bad.txt"))
