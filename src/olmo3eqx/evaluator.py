@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from olmo3eqx.config import DataConfig, EvalConfig, ModelConfig
 from olmo3eqx.errors import ConfigError
 from olmo3eqx.data.heldout import open_heldout
-from olmo3eqx.gen_tasks import GENERATIVE, GenerativeTask, model_generator, run_task
+from olmo3eqx.gen_tasks import GENERATIVE, GenerativeTask, load_generative, model_generator, run_task
 from olmo3eqx.loss import candidate_logprobs, loss_sums, token_logprobs
 from olmo3eqx.model import OLMo3
 from olmo3eqx.olmo_tasks import load_tasks
@@ -183,7 +183,9 @@ def build_evaluator(eval_cfg: EvalConfig, data_cfg: DataConfig, model_cfg: Model
     if scored:
         tasks = load_tasks(scored, tokenizer, max_len=seq_len, vocab_size=model_cfg.vocab_size,
                            limit=eval_cfg.task_limit)
-    gen = [GENERATIVE[e](eval_cfg.task_limit) for e in dict.fromkeys(eval_cfg.tasks) if e in GENERATIVE]
+    gen = [load_generative(e, limit=eval_cfg.task_limit, tokenizer=eval_cfg.tokenizer,
+                           chat_template=eval_cfg.chat_template, max_new_tokens=eval_cfg.gen_max_tokens)
+           for e in dict.fromkeys(eval_cfg.tasks) if e in GENERATIVE]
     scorer = ShardedScorer(mesh, model_shardings, batch_size)
     return make_evaluator(scorer, sets=sets, tasks=tasks, max_instances=max_instances, max_len=seq_len,
                           pad_id=model_cfg.pad_token_id, gen_tasks=gen, tokenizer=tokenizer)

@@ -15,6 +15,7 @@ own RegexFilter and exact_match.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,8 +104,99 @@ def gsm8k(limit: int = 0) -> GenerativeTask:
     return GenerativeTask("gsm8k", tuple(requests), GSM8K_METRICS, "exact_match")
 
 
-GENERATIVE = {"gsm8k": gsm8k}
-"""Generative task names eval.tasks takes, and how each is read (with a document limit)."""
+# --- GSM8K for a chat model, as OLMES reports OLMo 3 Instruct ---------------------------------------------------
+
+CHAT_PROMPT = 'Solve the following grade school math word problem:\n{{question}}\n\nShow your work and conclude with "Therefore, the final answer is \\boxed{answer}." where answer is just the final number that solves the problem. E.g., if the answer is 6, conclude with "Therefore, the final answer is \\boxed{6}."'  # noqa: E501
+"""OLMES's `gsm8k::zs_cot_latex` (and `gsm8k::olmo3:adapt`) chat_overrides.context_kwargs.template, verbatim: the
+user turn, rendered with Jinja."""
+ANSWER_FORMAT = "Therefore, the final answer is \\\\boxed\\{(.*)\\}"
+"""OLMES's metric_kwargs.answer_format_regex for those tasks."""
+ANSWER_PREFIXES = ("(?i)Therefore,? the final answer is", "(?i)Therefore,? the answer is", "(?i)the final answer is",
+                   "(?i)the answer is", "(?i)answer is", "(?i)answer is:", "(?i)answer:")
+"""OLMES's metric_kwargs.answer_prefix_regexes, in order."""
+ANSWER_REGEXES = ("[\\s\\S]*?\\\\boxed\\{(.*?)\\}[\\s\\S]*?", "([-+]?\\d*\\.\\d+|\\d+)", "(.*)\\.?")
+"""OLMES's metric_kwargs.answer_regexes, in order."""
+CHAT_MAX_NEW_TOKENS = 2048
+"""New tokens per answer. OLMES allows 131,072 (the model's length, in practice); a 7B Instruct answer to a GSM8K
+question is a few hundred tokens. eval.gen_max_tokens (olmo3eqx-eval --max-new-tokens) sets another bound."""
+
+
+def chat_prompt(question: str) -> str:
+    """The user turn OLMES asks a chat model (CHAT_PROMPT with the question)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment().from_string(CHAT_PROMPT).render(question=question)
+
+
+def extract_chat(text: str) -> tuple[str, bool]:
+    """(answer, whether it is in the asked format) of a chat completion: the last "Therefore, the final answer is
+    \\boxed{...}"; else, after the last match of the first answer prefix found, the first match of the first answer
+    regex that matches there; else the last match of the first answer regex found anywhere; INVALID when none."""
+    found = re.findall(ANSWER_FORMAT, text)
+    if found:
+        return found[-1].strip(), True
+    for prefix in ANSWER_PREFIXES:
+        matches = list(re.finditer(prefix, text))
+        if matches:
+            rest = text[matches[-1].end():].strip()
+            for regex in ANSWER_REGEXES:
+                m = re.search(regex, rest)
+                if m and m.group(1).strip():
+                    return m.group(1).strip(), False
+    for regex in ANSWER_REGEXES:
+        found = [g for g in re.findall(regex, text) if g.strip()]
+        if found:
+            return found[-1].strip(), False
+    return INVALID, False
+
+
+def extract_chat_strict(text: str) -> str:
+    """The answer only when it is in the asked format, else INVALID."""
+    answer, in_format = extract_chat(text)
+    return answer if in_format else INVALID
+
+
+GSM8K_CHAT_METRICS = {
+    "exact_match": lambda completion, label: exact_match(extract_chat_strict(completion), label),
+    "exact_match_flex": lambda completion, label: exact_match(extract_chat(completion)[0], label),
+}
+"""exact_match_flex (OLMES's primary for these tasks): the answer however extracted; exact_match: only an answer in
+the asked format."""
+
+
+def gsm8k_chat(chat, limit: int = 0, max_new_tokens: int = CHAT_MAX_NEW_TOKENS) -> GenerativeTask:
+    """GSM8K's 1,319 test questions zero-shot through `chat` (olmo3eqx.data.chat.ChatTokenizer: the template and the
+    assistant's prompt), stopped at the template's end of turn (and EOS), scored by extract_chat."""
+    from olmo3eqx.olmo_tasks import _read_oe_eval
+
+    _, lines = _read_oe_eval("gsm8k", "gold_bpb_5shot")  # the same 1,319 documents, each with its question
+    docs = sorted((line["doc_id"], line["doc"]["question"], str(line["label"])) for line in lines)
+    if limit:
+        docs = docs[:limit]
+    requests = tuple(GenRequest(doc, chat.render([{"role": "user", "content": chat_prompt(q)}],
+                                                 add_generation_prompt=True), chat.end_of_turn, max_new_tokens, label)
+                     for doc, q, label in docs)
+    return GenerativeTask("gsm8k_chat", requests, GSM8K_CHAT_METRICS, "exact_match_flex")
+
+
+GENERATIVE = ("gsm8k", "gsm8k_chat")
+"""Generative task names eval.tasks takes: gsm8k (few-shot, for base models) and gsm8k_chat (zero-shot through the
+chat template, for chat models)."""
+
+
+def load_generative(name: str, *, limit: int = 0, tokenizer: str = "bytes", chat_template: str | None = None,
+                    max_new_tokens: int = 0) -> GenerativeTask:
+    """The generative task `name` (one of GENERATIVE); max_new_tokens > 0 bounds every request's new tokens;
+    gsm8k_chat renders its prompts with `chat_template` (unset: the tokenizer's own)."""
+    if name == "gsm8k_chat":
+        from olmo3eqx.data.chat import ChatTokenizer
+
+        return gsm8k_chat(ChatTokenizer(tokenizer, chat_template), limit, max_new_tokens or CHAT_MAX_NEW_TOKENS)
+    task = gsm8k(limit)
+    if not max_new_tokens:
+        return task
+    return dataclasses.replace(task, requests=tuple(dataclasses.replace(r, max_new_tokens=max_new_tokens)
+                                                    for r in task.requests))
 
 
 def run_task(task: GenerativeTask, generate_batch: Callable[[list[GenRequest]], list[str]], batch_size: int

@@ -5,8 +5,10 @@
 Rows are `{"messages": [{"role", "content"}, ...]}` objects in Dolci's schema (AI2's OLMo 3 SFT data): a system or
 user message may carry `functions` (the tool definitions, a JSON string the templates put in <functions></functions>),
 an assistant message `function_calls` (its calls, a string; its `content` may then be null), and a tool's result is an
-`environment` turn. They come as JSON Lines (.jsonl, .jsonl.gz; local files, globs or
-gs:// s3:// https:// URLs) or a Hugging Face `datasets` dataset saved to disk (`save_to_disk`). Each conversation is
+`environment` turn. They come as JSON Lines (.jsonl, .jsonl.gz; local files, globs or gs:// s3:// https:// URLs), a
+Hugging Face `datasets` dataset saved to disk (`save_to_disk`), or a Hub dataset by name
+(hf://allenai/Dolci-Instruct-SFT; olmo3eqx.data.hub); `--mix` takes them from a mixture of sources with
+open-instruct's per-source amounts (olmo3eqx.data.chat_mix). Each conversation is
 rendered with the tokenizer's chat template (a Jinja template, rendered as transformers' `apply_chat_template` renders
 it: the same sandboxed environment and variables) and encoded with the `tokenizers` library, special tokens matched as
 written, none added. The label mask follows open-instruct's `sft_tulu_tokenize_and_truncate_v1`, which AI2's
@@ -34,6 +36,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +46,7 @@ from typing import Literal
 import numpy as np
 
 from olmo3eqx import exits, storage
+from olmo3eqx.data import chat_mix, hub
 from olmo3eqx.data.documents import INDEX_SUFFIX, scan_index
 from olmo3eqx.data.packed import pack_files
 from olmo3eqx.data.prepare import BYTES, DEFAULT_SHARD_TOKENS, EOS_TOKEN, tokenizer_info
@@ -69,6 +73,8 @@ END_OF_TURN = "<|im_end|>"
 TOKEN_FILE, MASK_FILE = "token_ids_part_{:04d}.npy", "labels_mask_part_{:04d}.npy"
 """open-instruct's output names (convert_sft_data_for_olmocore.py)."""
 FORMAT_VERSION = 1
+UNSHUFFLED = ".unshuffled"
+"""Where --shuffle-seed writes the conversations in input order before writing them shuffled to --out."""
 LongPolicy = Literal["truncate", "skip"]
 
 REASONS = {
@@ -241,6 +247,9 @@ def iter_rows(inputs: Sequence[str], split: str = "train") -> Iterator[tuple[str
     """(where, row) of every input row in argument order: JSON Lines files (local, globs or URLs) and saved
     `datasets` directories (`split` of a DatasetDict). A line that is not JSON is given as None."""
     for arg in inputs:
+        if hub.is_hub(arg):
+            yield from _hub_rows(arg, split)
+            continue
         arg = storage.check(arg, "--input")
         if not storage.is_url(arg) and is_saved_dataset(os.path.expanduser(arg)):
             yield from _dataset_rows(os.path.expanduser(arg), split)
@@ -250,16 +259,28 @@ def iter_rows(inputs: Sequence[str], split: str = "train") -> Iterator[tuple[str
             raise DataError(f"Input {storage.redact(arg)} is neither a JSON Lines file, a glob of them, nor a saved "
                             f"datasets directory; fix --input.")
         for path in files:
-            data = storage.read_bytes(path)
-            if path.endswith(".gz"):
-                data = gzip.decompress(data)
-            for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        row = None
-                    yield f"{storage.redact(path)} line {n}", row
+            yield from _jsonl_rows(path, storage.redact(path))
+
+
+def _jsonl_rows(path: str, where: str) -> Iterator[tuple[str, object]]:
+    data = storage.read_bytes(path)
+    if path.endswith(".gz"):
+        data = gzip.decompress(data)
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            yield f"{where} line {n}", row
+
+
+def _hub_rows(spec: str, split: str) -> Iterator[tuple[str, object]]:
+    """The rows of a Hub dataset's split (olmo3eqx.data.hub), file by file."""
+    repo, _ = hub.parse(spec)
+    for path in hub.data_files(spec, split):
+        where = f"{hub.SCHEME}{repo} {path.name}"
+        yield from (hub.parquet_rows(path, where) if path.suffix == ".parquet" else _jsonl_rows(str(path), where))
 
 
 def _dataset_rows(path: str, split: str) -> Iterator[tuple[str, object]]:
@@ -311,10 +332,75 @@ def _write(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+class Shards:
+    """Conversations written to `out` as OLMo-core's SFT files (token ids, label mask, document index), cut at
+    conversation boundaries every `shard_tokens` tokens; `files` and each file's conversation `spans` so far."""
+
+    def __init__(self, out: Path, dtype, eos_id: int, shard_tokens: int):
+        self.out, self.dtype, self.eos_id, self.shard_tokens = out, dtype, eos_id, shard_tokens
+        out.mkdir(parents=True, exist_ok=True)
+        self.files: list[list[str]] = []
+        self.spans: list[np.ndarray] = []
+        self._ids: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._pending = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        if self._pending and self._pending + ids.size > self.shard_tokens:
+            self.flush()
+        self._ids.append(ids)
+        self._masks.append(mask)
+        self._pending += ids.size
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        k = len(self.files)
+        tokens = np.concatenate(self._ids).astype(self.dtype)
+        _write(self.out / TOKEN_FILE.format(k), tokens)
+        _write(self.out / MASK_FILE.format(k), np.concatenate(self._masks).astype(np.bool_))
+        (self.out / TOKEN_FILE.format(k).replace(".npy", INDEX_SUFFIX)).write_bytes(scan_index(tokens, self.eos_id))
+        self.files.append([TOKEN_FILE.format(k), MASK_FILE.format(k)])
+        sizes = [x.size for x in self._ids]
+        ends = np.cumsum(sizes)
+        self.spans.append(np.stack([ends - sizes, ends], axis=1).astype(np.int64))
+        self._ids, self._masks, self._pending = [], [], 0
+
+
+def shuffled(src: Shards, out: Path, seed: int) -> Shards:
+    """`src`'s conversations rewritten to `out` in the order `datasets`' Dataset.shuffle(seed=seed) puts rows
+    (numpy's default_rng(seed).permutation), as open-instruct shuffles the tokenized set before writing it; `src`'s
+    directory is removed."""
+    where = [(k, int(a), int(b)) for k, spans in enumerate(src.spans) for a, b in spans]
+    tokens = [np.memmap(src.out / t, dtype=src.dtype, mode="r") for t, _ in src.files]
+    masks = [np.memmap(src.out / m, dtype=np.bool_, mode="r") for _, m in src.files]
+    dst = Shards(out, src.dtype, src.eos_id, src.shard_tokens)
+    for i in np.random.default_rng(seed).permutation(len(where)):
+        k, a, b = where[i]
+        dst.add(np.array(tokens[k][a:b]), np.array(masks[k][a:b]))
+    dst.flush()
+    del tokens, masks
+    shutil.rmtree(src.out)
+    return dst
+
+
 def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat_template: str | None = None,
                  eos_id: int | None = None, max_seq_len: int | None = None, long: LongPolicy = "truncate",
-                 shard_tokens: int = DEFAULT_SHARD_TOKENS, split: str = "train", progress: bool = True) -> dict:
-    """Tokenize chat rows into OLMo-core's SFT files under local directory `out`; returns the metadata written."""
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, split: str = "train", progress: bool = True,
+                 mix: str | None = None, shuffle_seed: int | None = None) -> dict:
+    """Tokenize chat rows into OLMo-core's SFT files under local directory `out`; returns the metadata written.
+    `mix` (olmo3eqx.data.chat_mix) takes the rows from a mixture's sources instead of `inputs`; `shuffle_seed`
+    writes the kept conversations in the order open-instruct's `shuffle(seed)` gives them (shuffled)."""
+    if bool(mix) == bool(inputs):
+        raise DataError("Give either --input (files, globs, URLs, hf://OWNER/NAME) or --mix (a mixture), not both "
+                        "and not neither.")
+    mix_stats: list[dict] = []
+    if mix:
+        mix_name, sources = chat_mix.read_mix(mix)
+        inputs = [s.spec for s in sources]
+        rows = chat_mix.mix_rows(sources, split, lambda spec: iter_rows([spec], split), mix_stats)
+    else:
+        rows = iter_rows(inputs, split)
     if storage.is_url(str(out)):
         raise storage.UnsupportedPath(f"--out {storage.redact(str(out))} is a URL; write the token files to local "
                                       f"disk, then copy the directory to the bucket.")
@@ -332,28 +418,12 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
     if (out / METADATA).is_file():
         raise DataError(f"{out} already holds prepared files; choose another --out or delete {out}.")
     out.mkdir(parents=True, exist_ok=True)
-    report, files, spans = Report(), [], []
-    ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
-    pending = 0
-
-    def flush() -> None:
-        nonlocal ids_parts, mask_parts, pending
-        if not pending:
-            return
-        k = len(files)
-        tokens = np.concatenate(ids_parts).astype(dtype)
-        _write(out / TOKEN_FILE.format(k), tokens)
-        _write(out / MASK_FILE.format(k), np.concatenate(mask_parts).astype(np.bool_))
-        (out / TOKEN_FILE.format(k).replace(".npy", INDEX_SUFFIX)).write_bytes(scan_index(tokens, chat.eos_id))
-        files.append([TOKEN_FILE.format(k), MASK_FILE.format(k)])
-        ends = np.cumsum([x.size for x in ids_parts])
-        spans.append(np.stack([ends - [x.size for x in ids_parts], ends], axis=1).astype(np.int64))
-        ids_parts, mask_parts, pending = [], [], 0
+    report = Report()
+    shards = Shards(out / UNSHUFFLED if shuffle_seed is not None else out, dtype, chat.eos_id, shard_tokens)
 
     from tqdm import tqdm
 
-    for where, row in tqdm(iter_rows(inputs, split), desc="tokenize", unit=" rows", file=sys.stderr,
+    for where, row in tqdm(rows, desc="tokenize", unit=" rows", file=sys.stderr,
                            disable=not progress, delay=2.0):
         report.rows += 1
         reason = check_row(row)
@@ -371,21 +441,23 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
         report.truncated += ids.size < full.size
         report.tokens += ids.size
         report.labelled += int(mask.sum())
-        if pending and pending + ids.size > shard_tokens:
-            flush()
-        ids_parts.append(ids)
-        mask_parts.append(mask)
-        pending += ids.size
-    flush()
+        shards.add(ids, mask)
+    shards.flush()
     if not report.kept:
         raise DataError(f"No conversation to write: {report.sentence()}")
+    if shuffle_seed is not None:
+        shards = shuffled(shards, out, shuffle_seed)
+    files, spans = shards.files, shards.spans
     meta = {"format": FORMAT_VERSION, "kind": "chat", "tokenizer": chat.spec if chat.spec == BYTES else
             Path(chat.spec).name, "vocab_size": chat.vocab_size, "eos_id": chat.eos_id, "dtype": str(dtype),
             "chat_template_sha256": chat.sha256, "max_seq_len": max_seq_len, "long": long,
             "shard_tokens": shard_tokens, "inputs": [storage.redact(i) for i in inputs], "files": files,
             "rows": report.rows, "conversations": report.kept, "truncated": report.truncated,
             "tokens": report.tokens, "labelled_tokens": report.labelled,
-            "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()}}
+            "skipped": {r: {"count": n, "first": report.first[r]} for r, n in report.skipped.items()},
+            "shuffle_seed": shuffle_seed}
+    if mix:
+        meta["mix"] = {"name": mix_name, "sources": mix_stats}
     if max_seq_len is not None and not max_seq_len & (max_seq_len - 1):
         meta["packed_instances"] = int(pack_files(spans, seq_len=max_seq_len, group_size=1)[1].size - 1)
     (out / METADATA).write_text(json.dumps(meta, indent=1) + "\n")
@@ -404,11 +476,15 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
 class Args:
     """Tokenize chat data into OLMo-core's SFT files: token ids and an assistant-only label mask per file."""
 
-    input: tuple[str, ...]
-    """JSON Lines of {"messages": [{"role", "content"}, ...]} (files, globs or gs:// s3:// https:// URLs; .jsonl.gz
-    too), or directories a `datasets` dataset was saved to (save_to_disk)."""
     out: str
     """Output directory (local)."""
+    input: tuple[str, ...] = ()
+    """JSON Lines of {"messages": [{"role", "content"}, ...]} (files, globs or gs:// s3:// https:// URLs; .jsonl.gz
+    too), directories a `datasets` dataset was saved to (save_to_disk), or Hugging Face Hub datasets by name
+    (hf://allenai/Dolci-Instruct-SFT; fetched into the Hugging Face cache, HF_HUB_OFFLINE=1 reads the cache)."""
+    mix: str | None = None
+    """A mixture instead of --input: dolci-instruct-sft, dolci-think-sft-7b, olmo-hybrid-think-sft (AI2's mixer lists,
+    data/sft_mixes/) or a file of 'SOURCE AMOUNT' lines (open-instruct's --dataset_mixer_list)."""
     tokenizer: str = BYTES
     """A tokenizer.json or 'bytes' (id = byte, EOS 256)."""
     chat_template: str | None = None
@@ -422,9 +498,12 @@ class Args:
     long: LongPolicy = "truncate"
     """A conversation over --max-seq-len: truncate (first max-seq-len - 1 tokens, then EOS) or skip (counted)."""
     split: str = "train"
-    """The split of a saved DatasetDict."""
+    """The split of a saved DatasetDict or of a Hub dataset."""
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     """Most tokens a file holds (cut at conversation boundaries)."""
+    shuffle_seed: int | None = None
+    """Write the kept conversations shuffled as open-instruct does before writing them for OLMo-core (`datasets`'
+    shuffle with this seed; its convert script's default is 42); unset: in input order."""
     quiet: bool = False
     """No progress bar."""
 
@@ -435,7 +514,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = tyro.cli(Args, args=argv, prog="olmo3eqx-prepare chat")
     return prepare_chat(args.input, tokenizer=args.tokenizer, out=args.out, chat_template=args.chat_template,
                         eos_id=args.eos_id, max_seq_len=args.max_seq_len, long=args.long,
-                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet)
+                        shard_tokens=args.shard_tokens, split=args.split, progress=not args.quiet, mix=args.mix,
+                        shuffle_seed=args.shuffle_seed)
 
 
 @exits.command

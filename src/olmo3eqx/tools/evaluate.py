@@ -51,9 +51,15 @@ class Args:
     """Held-out sets, 'name=glob' or an OLMo-layout directory (see eval.heldout); unset: the run's own."""
     tasks: tuple[str, ...] | None = None
     """olmo_eval task names, named sets (olmo3-in-loop, seed-eight), JSONL files ('path' or 'name=path'), or
-    gsm8k (generated, olmo3eqx.gen_tasks); unset: the run's eval.tasks."""
+    gsm8k (few-shot) and gsm8k_chat (zero-shot through the chat template), generated (olmo3eqx.gen_tasks); unset:
+    the run's eval.tasks."""
     tokenizer: str | None = None
     """'bytes' or a tokenizer.json; unset: the run's eval.tokenizer, an HF directory's tokenizer.json, or bytes."""
+    chat_template: str | None = None
+    """The template gsm8k_chat asks through (a built-in name, a .jinja file or a tokenizer_config.json); unset: the
+    run's eval.chat_template, else the tokenizer's own."""
+    max_new_tokens: int = 0
+    """Most new tokens per generative request; 0: the run's eval.gen_max_tokens, else each task's own."""
     heldout_instances: Literal["packed", "document"] | None = None
     """packed or document (OLMo's padded perplexity layout); unset: the run's eval.heldout_instances."""
     seq_len: int | None = None
@@ -121,7 +127,9 @@ def setup(args: Args) -> Setup:
         base_eval, heldout=heldout, heldout_mix=base_eval.heldout_mix if args.heldout is None else None,
         tasks=args.tasks if args.tasks is not None else base_eval.tasks,
         tokenizer=args.tokenizer or (base_eval.tokenizer if train_cfg else hf_tokenizer or base_eval.tokenizer),
-        heldout_instances=args.heldout_instances or base_eval.heldout_instances, task_limit=args.limit)
+        heldout_instances=args.heldout_instances or base_eval.heldout_instances, task_limit=args.limit,
+        chat_template=args.chat_template or base_eval.chat_template,
+        gen_max_tokens=args.max_new_tokens or base_eval.gen_max_tokens)
     seq_len = args.seq_len or (data_cfg.seq_len if train_cfg else min(DEFAULT_SEQ_LEN,
                                                                        model_cfg.max_position_embeddings))
     if not (eval_cfg.heldout or use_default_set or eval_cfg.tasks):
@@ -139,6 +147,8 @@ def setup(args: Args) -> Setup:
             "tasks": list(eval_cfg.tasks), "tokenizer": eval_cfg.tokenizer,
             "heldout_instances": eval_cfg.heldout_instances, "seq_len": seq_len, "max_instances": args.max_instances,
             "limit": args.limit}
+    spec |= {k: v for k, v in (("chat_template", eval_cfg.chat_template), ("max_new_tokens", eval_cfg.gen_max_tokens))
+             if v}  # only where set: specs stored before these settings existed still match
     return Setup(model, step, run_dir, evaluator, shardings, spec)
 
 
