@@ -79,6 +79,19 @@ def test_cli_exit_code_and_sentence(tmp_path, capsys):
     assert "error: No conversation to write: 0 of 1 conversations kept" in capsys.readouterr().err
 
 
+def test_a_template_that_cannot_render_a_tool_call_row_is_one_sentence(tmp_path):
+    """A Dolci tool-call row (assistant content null) through a template written for plain text: one sentence naming
+    the row, not the template engine's TypeError."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "function_calls": "get_weather()"}]}
+    src = write_jsonl(tmp_path / "tools.jsonl", [row])
+    with pytest.raises(DataError, match=f"cannot render {src} line 1: .*--chat-template"):
+        chat.prepare_chat([src], tokenizer="bytes", chat_template=str(template), out=tmp_path / "out",
+                          progress=False)
+
+
 def test_long_conversations_truncated_or_skipped(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", [ONE_TURN, {"messages": [{"role": "user", "content": "x" * 40},
                                                                       {"role": "assistant", "content": "y"}]}])

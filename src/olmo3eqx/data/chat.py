@@ -428,7 +428,11 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
         report.rows += 1
         reason = check_row(row)
         if reason is None:
-            full, mask = chat.tokenize(row["messages"])
+            try:
+                full, mask = chat.tokenize(row["messages"])
+            except (TypeError, ValueError) as e:  # a template that cannot render a row it was not written for
+                raise DataError(f"The chat template cannot render {where}: {e}; choose a template for this data "
+                                "(--chat-template).") from None
             ids, mask, reason = fit(full, mask, max_seq_len, long, chat.eos_id)
             if reason is None and not mask.any():
                 reason = "no_labels"
