@@ -4,8 +4,8 @@ OLMo-core's TransformerTrainModule.train_batch divides each rank's summed loss b
 (batch_num_tokens_for_loss, counted over all its micro-batches) and the data-parallel all-reduce averages the ranks'
 gradients; its data loader gives rank r instances r, r + ranks, ... of a global batch. Here OLMo-core's train module
 runs each rank's share in turn (one instance per micro-batch, so a rank accumulates several) and its gradients are
-averaged as that all-reduce averages them; our real jitted step runs the whole global batch on as many simulated
-devices. The labels are assistant-like spans of very different lengths, so the ranks hold unequal counts and the
+averaged as that all-reduce averages them (`-m slow` checks that against OLMo-core on real torch.distributed ranks:
+gloo processes, DDP); our real jitted step runs the whole global batch on as many simulated devices. The labels are assistant-like spans of very different lengths, so the ranks hold unequal counts and the
 rule matters: the global rule misses OLMo-core's loss by the amount a numpy computation over OLMo-core's own
 per-token losses predicts.
 """
@@ -13,6 +13,8 @@ per-token losses predicts.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,17 +49,25 @@ def sft_batch() -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def olmo_core(tmp_path_factory, one_torch_thread):  # noqa: F811
-    """(OLMo-core's train module as AI2's SFT script configures it, one instance per micro-batch; our conversion of
-    its initial model)."""
+    """(OLMo-core's train module (olmo_core_sft_module), our conversion of its initial model; its weights are also
+    saved as weights.pt beside the conversion for ddp_rank)."""
     tmp = tmp_path_factory.mktemp("loss_rule")
+    module = olmo_core_sft_module()
+    save_hf_model(tmp / "hf", module.model.state_dict(), module.model)
+    hf_to_orbax(tmp / "hf", tmp / "ckpt", eos_token_id=EOS)
+    torch.save(module.model.state_dict(), tmp / "weights.pt")
+    return module, tmp / "ckpt"
+
+
+def olmo_core_sft_module(dp_config=None) -> TransformerTrainModule:
+    """OLMo-core's train module with the SFT script's loss settings (no z-loss), one instance per micro-batch."""
     module = TransformerTrainModule(
         olmo_core_model(), optim=SkipStepAdamWConfig(lr=OPTIM.lr, weight_decay=0.0, betas=(OPTIM.b1, OPTIM.b2)),
         rank_microbatch_size=SEQ, max_sequence_length=SEQ, z_loss_multiplier=None, max_grad_norm=1.0,
-        device=torch.device("cpu"))
+        dp_config=dp_config, device=torch.device("cpu"))
     module._attach_trainer(StepClock(1))  # what Trainer does with its train module
-    save_hf_model(tmp / "hf", module.model.state_dict(), module.model)
-    hf_to_orbax(tmp / "hf", tmp / "ckpt", eos_token_id=EOS)
-    return module, tmp / "ckpt"
+    module.trainer.global_step = 1
+    return module
 
 
 def olmo_core_step(module: TransformerTrainModule, ranks: int) -> tuple[float, float]:
@@ -77,6 +87,35 @@ def olmo_core_step(module: TransformerTrainModule, ranks: int) -> tuple[float, f
     norm = torch.sqrt(sum(torch.sum((g / ranks).double() ** 2) for g in grads))
     module.zero_grads()
     return float(np.mean(losses)), float(norm)
+
+
+def ddp_rank(rank: int, ranks: int, port: int, weights: str, out: str) -> None:
+    """One rank of OLMo-core's SFT step under torch.distributed (gloo over loopback): its train module wrapped in DDP
+    (the CPU's data parallelism; FSDP and HSDP average gradients over the data-parallel ranks alike), the weights
+    `weights` holds, train_batch on the rank's share of the global batch; rank 0 writes the all-reduced CE (as
+    train_batch records it) and the norm of the all-reduced gradient to `out`."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from olmo_core.config import DType
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.train.train_module import TransformerDataParallelConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    module = olmo_core_sft_module(TransformerDataParallelConfig(name=DataParallelType.ddp,
+                                                                param_dtype=DType.float32))
+    module.model.load_state_dict(torch.load(weights))
+    tokens, label_mask = sft_batch()
+    module.train_batch({"input_ids": torch.from_numpy(tokens[rank::ranks]),
+                        "label_mask": torch.from_numpy(label_mask[rank::ranks])})
+    norm = torch.sqrt(sum(torch.sum(p.grad.double() ** 2) for p in module.model.parameters()))
+    if rank == 0:
+        Path(out).write_text(json.dumps([module.trainer.metrics[1]["train/CE loss"], float(norm)]))
+    dist.destroy_process_group()
 
 
 def token_losses(module: TransformerTrainModule) -> tuple[np.ndarray, np.ndarray]:
@@ -153,3 +192,24 @@ def test_loss_ranks_must_split_the_batch():
     with pytest.raises(ConfigError, match="applies to loss.normalize per_rank only"):
         LossConfig(ranks=4)
     assert dataclasses.replace(LossConfig(), normalize="per_rank").ranks == 0
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: six processes importing torch and OLMo-core
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_per_rank_loss_is_olmo_core_under_torch_distributed(olmo_core, ranks, tmp_path):
+    """OLMo-core's step on `ranks` real processes (torch.distributed, gloo, DDP's all-reduce) gives the numbers the
+    in-process ranks above give, and ours."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    module, ckpt = olmo_core
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp.json"
+    mp.spawn(ddp_rank, args=(ranks, port, str(ckpt.parent / "weights.pt"), str(out)), nprocs=ranks)
+    ddp = tuple(json.loads(out.read_text()))
+    print(f"\n{ranks} DDP ranks: CE {ddp[0]:.7f}, grad norm {ddp[1]:.7f}")
+    np.testing.assert_allclose(olmo_core_step(module, ranks), ddp, rtol=GATE)
+    np.testing.assert_allclose(our_step(ckpt, ranks, LossConfig(normalize="per_rank")), ddp, rtol=GATE)
