@@ -29,7 +29,7 @@ from test_olmo_core_step import EOS, VOCAB, StepClock, olmo_core_model, one_torc
 from olmo3eqx.checkpoint.model import init_from, load_model
 from olmo3eqx.config import DataConfig, LossConfig, MeshConfig, OptimConfig, TrainConfig
 from olmo3eqx.sharding import build_layout
-from olmo3eqx.step import make_train_step
+from olmo3eqx.step import make_train_step, per_replica
 from olmo3eqx.tools.convert import hf_to_orbax
 
 SEQ, BATCH = 64, 8
@@ -128,15 +128,15 @@ def token_losses(module: TransformerTrainModule) -> tuple[np.ndarray, np.ndarray
     return out.ce_loss.reshape(BATCH, SEQ).double().numpy(), (labels != -100).numpy()
 
 
-def our_step(ckpt, devices: int, loss: LossConfig) -> tuple[float, float]:
-    """(CE, pre-clip grad norm) of our jitted step on `devices` simulated devices (fsdp), one row per device per
-    micro-batch, from the converted checkpoint."""
+def our_step(ckpt, devices: int, loss: LossConfig, data: int = 1) -> tuple[float, float]:
+    """(CE, pre-clip grad norm) of our jitted step on `devices` simulated devices (data x fsdp; data > 1 as that many
+    nodes: the step's per-replica region), one row per device per micro-batch, from the converted checkpoint."""
     _, model_cfg = load_model(ckpt)
+    mesh = MeshConfig(data=data, fsdp=devices // data, node_devices=devices // data, max_per_device_batch=1)
     cfg = TrainConfig(steps=1, model=model_cfg, data=DataConfig(seq_len=SEQ, global_batch=BATCH, packing=True),
-                      optim=OPTIM, loss=loss, init_from=str(ckpt),
-                      mesh=MeshConfig(fsdp=devices, max_per_device_batch=1))
+                      optim=OPTIM, loss=loss, init_from=str(ckpt), mesh=mesh)
     layout = build_layout(cfg, jax.devices()[:devices])
-    assert layout.plan.accum_steps == BATCH // devices
+    assert layout.plan.accum_steps == BATCH // devices and per_replica(layout) == (data > 1)
     state = init_from(cfg.init_from, layout.init_state(cfg), layout.state_target(), with_optimizer=False)
     tokens, label_mask = sft_batch()
     batch = {"tokens": tokens.astype(np.int32), "mask": np.ones(BATCH, np.float32),
@@ -178,10 +178,12 @@ def test_per_rank_loss_is_olmo_core_sft_loss(olmo_core, ranks):
 
 
 def test_loss_ranks_reproduce_olmo_core_ranks_on_any_mesh(olmo_core):
-    """loss.ranks 4 on 2 devices: OLMo-core's 4-rank loss, whatever our own sharding and accumulation."""
+    """loss.ranks 4 on 2 devices, one per node (data 2: the per-replica region): OLMo-core's 4-rank loss, whatever
+    our own sharding and accumulation."""
     module, ckpt = olmo_core
     ref = olmo_core_step(module, 4)
-    np.testing.assert_allclose(our_step(ckpt, 2, LossConfig(normalize="per_rank", ranks=4)), ref, rtol=GATE)
+    ours = our_step(ckpt, 2, LossConfig(normalize="per_rank", ranks=4), data=2)
+    np.testing.assert_allclose(ours, ref, rtol=GATE)
 
 
 def test_loss_ranks_must_split_the_batch():
