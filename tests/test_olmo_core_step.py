@@ -108,18 +108,23 @@ class StepClock:
         self.record_metric("CE loss", value, reduce_type, namespace="train")
 
 
-def olmo_core_module(run: Run) -> tuple[TransformerTrainModule, StepClock]:
-    """OLMo-core's model (initialised by OLMo-core, init seed 0) and train module, configured as AI2's stage-1 script
-    (OLMo-3-1025-7B-pretrain-1.py) configures SkipStepAdamW, CosWithWarmup, z-loss and clipping, with our numbers."""
-    o = run.optim()
-    model = TransformerConfig.olmo3_14M(
+def olmo_core_model():
+    """OLMo-core's small OLMo 3 (torch attention, the 3:1 sliding/global pattern), on the meta device until a train
+    module initialises it."""
+    return TransformerConfig.olmo3_14M(
         vocab_size=VOCAB, attn_backend=AttentionBackendName.torch,
         sliding_window=SlidingWindowAttentionConfig(pattern=[WINDOW, WINDOW, WINDOW, -1],
                                                     force_full_attention_on_first_layer=False,
                                                     force_full_attention_on_last_layer=True),
     ).build(init_device="meta")
+
+
+def olmo_core_module(run: Run) -> tuple[TransformerTrainModule, StepClock]:
+    """OLMo-core's model (initialised by OLMo-core, init seed 0) and train module, configured as AI2's stage-1 script
+    (OLMo-3-1025-7B-pretrain-1.py) configures SkipStepAdamW, CosWithWarmup, z-loss and clipping, with our numbers."""
+    o = run.optim()
     module = TransformerTrainModule(
-        model,
+        olmo_core_model(),
         optim=SkipStepAdamWConfig(
             lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay,
             rolling_interval_length=o.spike_window, sigma_factor=int(o.spike_sigma),

@@ -196,6 +196,20 @@ SFT_LR = {"olmo3-7b-sft-instruct.yaml": 8e-5, "olmo3-7b-sft-think.yaml": 5e-5}
 SFT_SEQUENCE_LENGTH, SFT_GLOBAL_BATCH_TOKENS = 32768, 1_048_576
 SFT_WARMUP_FRACTION = 0.03  # LinearWithWarmup(warmup_fraction=0.03, alpha_f=0.0)
 SFT_DATA_SEED = 34521  # NumpyDataLoaderConfig(seed=34521)
+# open-instruct's scripts/train/olmo3/7b_think_sft.sh and 7b_instruct_sft.sh, and the OLMo-core scripts at the commits
+# they name (Think: OLMo2-7B-sft.py at 38f66526; Instruct: OLMo-sft.py at 9e974710)
+SFT_INIT_SEED = {"olmo3-7b-sft-think.yaml": 53184, "olmo3-7b-sft-instruct.yaml": 543210}  # SFTConfig init_seed
+SFT_NODES = {"olmo3-7b-sft-think.yaml": 8, "olmo3-7b-sft-instruct.yaml": 4}  # --num_nodes (x --launch.num_gpus=8)
+GPUS_PER_NODE, MAX_RANK_MICROBATCH_SIZE_TOKENS = 8, 16_384  # the scripts' constants
+
+
+def sft_data_parallel_ranks(nodes: int, seq_len: int) -> int:
+    """The scripts' BatchSizeConfig: a sequence over MAX_RANK_MICROBATCH_SIZE_TOKENS takes the smallest power-of-two
+    context-parallel degree that fits it; the data-parallel ranks are the GPUs over that degree."""
+    cp = 1
+    while seq_len // cp > MAX_RANK_MICROBATCH_SIZE_TOKENS:
+        cp *= 2
+    return nodes * GPUS_PER_NODE // cp
 
 
 @pytest.mark.parametrize("preset", sorted(SFT_LR))
@@ -212,10 +226,33 @@ def test_sft_presets_are_ai2s_sft_script(preset):
                                                                             SFT_GLOBAL_BATCH_TOKENS)
     assert (cfg.data.packing, cfg.data.source_group_size, cfg.data.source_permutation_seed) == (True, 1, None)
     assert cfg.data.seed == SFT_DATA_SEED and cfg.data.order == "olmo-core" and cfg.data.label_mask_paths
-    assert cfg.init_from and not cfg.init_optimizer
+    assert cfg.run.seed == SFT_INIT_SEED[preset]
+    assert cfg.loss.normalize == "per_rank"  # TransformerTrainModule.train_batch: tests/test_loss_rule.py
+    assert cfg.loss.ranks == sft_data_parallel_ranks(SFT_NODES[preset], SFT_SEQUENCE_LENGTH)
+    assert cfg.loss.ranks == {"olmo3-7b-sft-think.yaml": 32, "olmo3-7b-sft-instruct.yaml": 16}[preset]
     stage3 = load_yaml(CONFIGS / "olmo3-7b-stage3.yaml")
     assert cfg.model == stage3.model  # TransformerConfig.olmo3_7B with YaRN(8, 32, 1, 8192): the stage-3 model
     ref = LinearWithWarmup(warmup_fraction=SFT_WARMUP_FRACTION, alpha_f=0.0)
     ours = lr_schedule(o, cfg.steps)
     for s in (1, 29, 30, 31, 500, cfg.steps - 1, cfg.steps):
         assert float(ours(s)) == pytest.approx(float(ref.get_lr(o.lr, s, cfg.steps)), rel=1e-5, abs=1e-12), s
+
+
+def test_sft_chain_base_then_think_then_instruct_with_think_moments():
+    """Think starts from the converted stage-3 base (a Hugging Face release: weights only, so fresh moments); Instruct
+    from the Think run's checkpoints with its AdamW state, as the OLMo-core script's load_checkpoint(checkpoint,
+    load_trainer_state=False) loads it, into an optimizer state of the same structure (init_from restores it leaf for
+    leaf: tests/test_train.py test_init_from_carries_weights_and_moments_resets_step_and_data)."""
+    from olmo3eqx.optim import make_optimizer
+
+    think, instruct = (load_yaml(CONFIGS / f"olmo3-7b-sft-{name}.yaml") for name in ("think", "instruct"))
+    assert think.init_from == "ckpt/olmo3-7b-base" and not think.init_optimizer
+    assert instruct.init_from == f"{think.run.dir}/{think.run.name}/checkpoints" and instruct.init_optimizer
+    assert instruct.model == think.model
+
+    def opt_state(cfg):
+        params = eqx.filter(abstract_model(cfg.model), eqx.is_array)
+        return jax.eval_shape(make_optimizer(cfg.optim, cfg.steps).init, params)
+
+    assert jax.tree.structure(opt_state(instruct)) == jax.tree.structure(opt_state(think))
+    assert jax.tree.leaves(opt_state(instruct)) == jax.tree.leaves(opt_state(think))

@@ -358,6 +358,30 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class LossConfig:
+    """How the step's loss is normalised over a global batch (docs/fine-tuning.md, "The loss rule")."""
+
+    normalize: Literal["global", "per_rank"] = "global"
+    """global: one sum over the labelled tokens of the global batch, divided by their count (the same number
+    whatever the mesh). per_rank: OLMo-core's rule (TransformerTrainModule.train_batch): each data-parallel rank
+    divides the loss summed over its own instances' labelled tokens by their count, and the ranks' results are
+    averaged (the gradient all-reduce); rank r holds instances r, r + ranks, ... of the global batch, as OLMo-core's
+    data loader hands them out. The two agree when every rank holds as many labelled tokens (pretraining); AI2's SFT
+    runs use per_rank."""
+    ranks: int = 0
+    """per_rank: the data-parallel ranks whose means are averaged, which must divide data.global_batch; 0: this
+    run's devices over the batch axes (mesh.data x mesh.fsdp). Set it to the rank count of the OLMo-core run being
+    reproduced (AI2's 7B SFT: 32 for Think, 16 for Instruct) to get its loss on any mesh."""
+
+    def __post_init__(self):
+        check_choices(self, "loss")
+        check_signs(self, "loss", non_negative=("ranks",))
+        if self.ranks and self.normalize != "per_rank":
+            raise ConfigError(f"loss.ranks {self.ranks} applies to loss.normalize per_rank only; set it to 0 with "
+                              f"'{self.normalize}'.")
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axes; -1 means all remaining devices."""
 
@@ -586,6 +610,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -606,6 +631,9 @@ class TrainConfig:
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1, got {self.steps}.")
         check_paths([self.init_from], "init_from")
+        if self.loss.ranks and self.data.global_batch % self.loss.ranks:
+            raise ConfigError(f"loss.ranks {self.loss.ranks} must divide data.global_batch {self.data.global_batch} "
+                              f"(each rank holds as many instances).")
 
     @property
     def token_vocab_size(self) -> int:

@@ -39,6 +39,17 @@ def label_weights(tokens: Int[Array, "b s"], mask: Float[Array, " b"],
     return weights * next_token_labels(label_mask.astype(jnp.int32)).astype(jnp.float32)
 
 
+def per_rank_scale(weights: Float[Array, "b s"], ranks: int) -> Float[Array, " b"]:
+    """Per-row factors that turn the global token mean into OLMo-core's mean of per-rank token means: rank r holds
+    rows r, r + ranks, ... (its data loader's split of a global batch), and a row of rank r scales its weights by
+    total / (ranks * count_r), so that sum(loss * weights * scale) / total = mean_r(sum_r(loss) / count_r). A rank
+    without a labelled token contributes 0 (OLMo-core would divide 0 by 0)."""
+    counts = jnp.sum(weights, axis=1).reshape(-1, ranks).sum(axis=0)  # [ranks]: row i is at [i // ranks, i % ranks]
+    total = jnp.maximum(jnp.sum(counts), 1.0)
+    scale = total / (ranks * jnp.maximum(counts, 1.0))
+    return jnp.broadcast_to(scale[None, :], (weights.shape[0] // ranks, ranks)).reshape(-1)
+
+
 def loss_chunk(batch: int, seq: int, vocab: int) -> int:
     """Largest divisor of seq whose [batch, chunk, vocab] float32 logits fit LOGITS_BUDGET."""
     limit = max(1, LOGITS_BUDGET // max(1, batch * vocab))

@@ -3,8 +3,9 @@
 The loss (olmo3eqx.loss) is the mean over the labelled tokens of unmasked instances of the *global* batch: each
 micro-batch adds sum(loss) / (labelled tokens in the global batch), so the result is the same whatever the
 sharding or accumulation (up to floating-point reassociation). Packed batches (data.packing) add segment ids
-(attention within documents) and a label mask (no loss on padding); their mean is still the global token mean over
-the labelled tokens, where OLMo-core averages per-rank token means (equal only when every rank holds as many).
+(attention within documents) and a label mask (no loss on padding). With loss.normalize per_rank each row's weights
+are scaled first (loss.per_rank_scale) so that the same sum is OLMo-core's mean of per-rank token means, for the
+loss.ranks ranks of its data loader's split, again whatever our own sharding or accumulation.
 Over a data axis (across nodes or slices) the gradients are summed per data replica and reduced over data once a
 step, whatever the accumulation (`per_replica`).
 """
@@ -23,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
 from olmo3eqx.context import splitting_sequences
-from olmo3eqx.loss import label_weights, loss_sums
+from olmo3eqx.loss import label_weights, loss_sums, per_rank_scale
 from olmo3eqx.model import DTYPE, cast_floating
 from olmo3eqx.precision import traced_gathering
 from olmo3eqx.sharding import Layout, batch_sharding, on_mesh, sequence_sharding
@@ -58,9 +59,26 @@ def per_replica(layout: Layout) -> bool:
     return sizes.get("data", 1) > 1 and sizes.get("tensor", 1) == 1
 
 
+def loss_ranks(cfg: TrainConfig, layout: Layout) -> int:
+    """The ranks whose token means loss.normalize per_rank averages: loss.ranks, else the mesh's data x fsdp devices
+    (OLMo-core's data-parallel ranks: HSDP's replicas times shards; context and tensor ranks share a rank's batch);
+    0 for the global rule."""
+    if cfg.loss.normalize != "per_rank":
+        return 0
+    from olmo3eqx.errors import ConfigError
+
+    sizes = dict(layout.mesh.shape)
+    ranks = cfg.loss.ranks or sizes.get("data", 1) * sizes.get("fsdp", 1)
+    if cfg.data.global_batch % ranks:
+        raise ConfigError(f"loss.normalize per_rank over the mesh's {ranks} data x fsdp devices needs "
+                          f"data.global_batch {cfg.data.global_batch} to be a multiple of them; set loss.ranks.")
+    return ranks
+
+
 def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
     """gradients(params, tokens, mask, segment_ids, label_mask) -> (grads, CE sum, z-loss sum, labelled tokens) of
-    a global batch in float32 params, grads laid out like the parameters, traced under layout's mesh (on_mesh).
+    a global batch in float32 params, grads laid out like the parameters, traced under layout's mesh (on_mesh); the
+    sums weighted as loss.normalize says, so that each divided by the labelled tokens is the step's loss.
 
     Per micro-batch the gradient is reduced to the parameter shardings (over fsdp and tensor, within a node) and
     added into the accumulator. With `per_replica` the micro-batch loop runs in a shard_map that makes only `data`
@@ -72,6 +90,7 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
     micro_sharding = NamedSharding(mesh, P(None, *sequence_sharding(mesh, 2).spec))
     param_specs = jax.tree.map(lambda s: s.spec, layout.shardings.model)
     grad_fn = eqx.filter_value_and_grad(micro_batch_loss, has_aux=True)
+    ranks = loss_ranks(cfg, layout)
 
     def accumulated(params, total, micro_tokens, micro_mask, micro_packed):
         def micro_grads(t, m, packed):
@@ -95,7 +114,10 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
     @splitting_sequences
     def gradients(params, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
-        total = jnp.maximum(jnp.sum(label_weights(tokens, mask, label_mask)), 1.0)
+        weights = label_weights(tokens, mask, label_mask)
+        total = jnp.maximum(jnp.sum(weights), 1.0)
+        if ranks:
+            mask = mask * per_rank_scale(weights, ranks)
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
         micro_mask = split_micro(mask, plan.accum_steps)
         micro_packed = tuple(None if x is None else jax.lax.with_sharding_constraint(
