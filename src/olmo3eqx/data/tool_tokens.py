@@ -54,8 +54,6 @@ def write_instruct_tokenizer(tokenizer: str, out: str | Path) -> Path:
     returns the tokenizer.json's path."""
     from tokenizers import Tokenizer
 
-    from olmo3eqx.data.chat import TEMPLATES
-
     src = Path(tokenizer).expanduser()
     if not src.is_file():
         raise DataError(f"Tokenizer {tokenizer} does not exist; give the base tokenizer.json.")
@@ -72,7 +70,8 @@ def write_instruct_tokenizer(tokenizer: str, out: str | Path) -> Path:
         raise DataError(f"{', '.join(split)} do not encode to one id with {tokenizer}; it is not a dolma2-style "
                         f"tokenizer.")
     os.replace(tmp, path)
-    (out / "chat_template.jinja").write_bytes((TEMPLATES / f"{INSTRUCT_TEMPLATE}.jinja").read_bytes())
+    (out / "chat_template.jinja").write_bytes(
+        (Path(__file__).with_name("chat_templates") / f"{INSTRUCT_TEMPLATE}.jinja").read_bytes())
     return path
 
 
