@@ -54,8 +54,7 @@ def per_replica(layout: Layout) -> bool:
     (the replicated norm weights, float32 compute's) are reduced over data and fsdp at once. With a tensor axis the
     region does not compile: XLA's SPMD partitioner (jax 0.10.2) fails a check (ExpandDeviceGroupsWithIota) on the
     loss's and the embedding's gathers and scatters over a tensor-split operand when `data` is manual."""
-    sizes = dict(layout.mesh.shape)
-    return sizes.get("data", 1) > 1 and sizes.get("tensor", 1) == 1
+    return dict(layout.mesh.shape).get("data", 1) > 1
 
 
 def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
