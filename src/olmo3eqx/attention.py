@@ -178,7 +178,7 @@ SPLIT_FALLBACKS = {
 """Why a backend's work runs as flash with the sequence split over context ranks; xla, flash and splash run it
 themselves."""
 SAID: set[str] = set()
-"""The backends whose substitution this process has said (once each: `split_backend`)."""
+"""The backends whose substitution this process has said (once each: `say_split_backend`)."""
 
 
 def split_backend(backend: str) -> tuple[str, str | None]:
