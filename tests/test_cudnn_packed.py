@@ -101,3 +101,43 @@ def test_dispatch_packed_within_max_runs_else_flash(monkeypatch):
                     argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-4)
+
+
+@pytest.mark.parametrize("backend,used", [("cudnn", "flash"), ("blocked", "flash"), ("pallas", "flash"),
+                                          ("flash", "flash"), ("xla", "xla"), ("splash", "splash")])
+def test_split_sequences_run_a_backend_that_takes_the_queries_offset(backend, used):
+    """With the sequence split over context ranks each backend's work runs where the mask can be shifted by the
+    chunk's offset: cuDNN as jax calls it aligns it top-left (cudnn_packed.SPLIT_SEQUENCES), so flash."""
+    got, why = attn.split_backend(backend)
+    assert got == used
+    assert (why is None) == (used == backend)
+    if backend == "cudnn":
+        assert "top-left" in why and "offset" in why
+
+
+def test_cudnn_on_split_sequences_runs_flash_and_says_why_once(monkeypatch, capsys):
+    """"cudnn" on a mesh with context 2: each rank's queries against the gathered keys give the unsplit segment-masked
+    attention (flash with the queries' offset), and one line on stderr, the first time only, names flash, cudnn and
+    the reason, for a sliding and a global layer traced in two programs."""
+    from olmo3eqx.config import MeshConfig
+    from olmo3eqx.context import splitting_sequences
+    from olmo3eqx.sharding import make_mesh, on_mesh
+
+    monkeypatch.setattr(attn, "SAID", set())
+    mesh = make_mesh(MeshConfig(context=2), jax.devices()[:2])
+    q, k, v = (jnp.stack([x] * 2) for x in inputs(16, 4, 2, 8))
+    ids = jnp.asarray(ROWS[:2])  # row 0's second document crosses the chunk boundary at 8
+
+    def split(window):
+        return jax.jit(on_mesh(mesh, splitting_sequences(
+            lambda q, k, v, s: attn.attention(q, k, v, window=window, impl="cudnn", segment_ids=s))),
+            in_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    for window in (5, None):
+        out = np.asarray(split(window)(q, k, v, ids))
+        for r in range(2):
+            np.testing.assert_allclose(out[r], reference(q[r], k[r], v[r], window, ROWS[r]), atol=3e-6, rtol=3e-5)
+    lines = capsys.readouterr().err.splitlines()
+    said = [line for line in lines if line.startswith("attention:")]
+    assert said == [f"attention: flash in place of cudnn with the sequence split over mesh.context=2: "
+                    f"{cudnn_packed.SPLIT_SEQUENCES}."], lines

@@ -170,23 +170,48 @@ def attention(
         implementation=None if backend == "xla" else backend)
 
 
-def context_backend(backend: str) -> str:
-    """The backend that runs `backend`'s work with the sequence split over context ranks: xla and splash themselves,
-    every other one flash (blocked and pallas take no query offset; cuDNN's packed path no separate q and kv
-    offsets)."""
-    return backend if backend in ("xla", "splash") else "flash"
+SPLIT_FALLBACKS = {
+    "blocked": "its block masks take the queries and keys to be the same positions: no query offset",
+    "pallas": "the Pallas GPU kernel takes no query offset",
+    "cudnn": cudnn_packed.SPLIT_SEQUENCES,
+}
+"""Why a backend's work runs as flash with the sequence split over context ranks; xla, flash and splash run it
+themselves."""
+SAID: set[str] = set()
+"""The backends whose substitution this process has said (once each: `say_split_backend`)."""
+
+
+def split_backend(backend: str) -> tuple[str, str | None]:
+    """(the backend that runs `backend`'s work on split sequences (mesh.context > 1), why it is another: None when it
+    is the same)."""
+    reason = SPLIT_FALLBACKS.get(backend)
+    return ("flash", reason) if reason is not None else (backend, None)
+
+
+def say_split_backend(backend: str, ranks: int) -> str:
+    """split_backend's backend for this trace; the first time a process substitutes for `backend`, one line on
+    stderr (process 0) names the substitute and the reason."""
+    import sys
+
+    used, reason = split_backend(backend)
+    if reason is not None and backend not in SAID:
+        SAID.add(backend)
+        if jax.process_index() == 0:
+            print(f"attention: {used} in place of {backend} with the sequence split over mesh.context={ranks}: "
+                  f"{reason}.", file=sys.stderr, flush=True)
+    return used
 
 
 def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int | None, block_kv: int | None,
                       segment_ids):
     """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
-    against all keys, at explicit positions. "xla" masks them so; every other backend but splash runs flash with the
-    queries' offset (blocked and pallas have no offset; cuDNN's packed path takes no separate q and kv offsets)."""
+    against all keys, at explicit positions. "xla" masks them so, flash takes the queries' offset, splash splits its
+    kernel's mask with the queries; the other backends run as flash (split_backend, said once)."""
     seq = q.shape[-3]
     if window is not None and window >= seq:
         window = None
 
-    backend = context_backend(backend)
+    backend = say_split_backend(backend, context_ranks())
     if backend == "splash":
         return splash_context(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
 

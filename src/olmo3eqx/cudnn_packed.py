@@ -18,6 +18,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+SPLIT_SEQUENCES = ("cuDNN's fused attention, as jax 0.10.2 calls it, aligns its causal mask and sliding window "
+                   "top-left in each query/key segment pair and takes no query offset, so the queries of a chunk that "
+                   "continues a document begun on an earlier context rank cannot be masked")
+"""Why the "cudnn" backend runs as flash on sequences split over the context axis (attention.split_backend). The
+packed layout does take separate query and key runs (q_offsets/kv_offsets, q_seqlen/kv_seqlen), but the mask is
+chosen only by MaskType (CAUSAL, PADDING_CAUSAL: no alignment, no offset) and jax's own reference for it is
+tril(T, S), top-left: query t of a run sees keys 0..t of its paired run. A rank's queries at positions o..o+C-1
+need keys from their document's start, o - d before them: a bottom-right alignment (keys 0..t + S - T) would give
+that, top-left does not. Exact only where every row of the chunk begins a document, i.e. where the chunk needs no
+other rank's keys at all."""
+
 MAX_RUNS = 16
 """Documents per row the packed kernel is compiled for; more in any row of a batch: flash for that batch. cuDNN sizes
 the backward pass's float32 workspace for rows x MAX_RUNS full-length sequences (B x M x heads x T x head_dim x 4

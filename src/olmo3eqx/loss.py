@@ -192,10 +192,21 @@ def ce_and_z(z_loss: float) -> Callable:
 
     def fn(logits, y):
         lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        return lse - picked, z_loss * jnp.square(lse)
+        return lse - label_logits(logits, y), z_loss * jnp.square(lse)
 
     return fn
+
+
+def label_logits(logits: Float[Array, "b c v"], y: Int[Array, "b c"]) -> Float[Array, "b c"]:
+    """logits[b, c, y[b, c]]. Where the mesh splits the vocabulary over tensor (the LM head's columns), a select and a
+    sum over the vocabulary (exact: one term is not zero), which the partitioner reduces as one value per position
+    over tensor: a gather would have the split regrouped, and XLA's SPMD partitioner (jax 0.10.2) fails a check
+    (ExpandDeviceGroupsWithIota) doing that inside the step's per-replica region (step.per_replica)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or dict(mesh.shape).get("tensor", 1) == 1:
+        return jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+    vocab = jax.lax.broadcasted_iota(y.dtype, logits.shape, logits.ndim - 1)
+    return jnp.sum(jnp.where(vocab == y[..., None], logits, 0.0), axis=-1)
 
 
 def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"], z_loss: float,

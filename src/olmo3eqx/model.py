@@ -377,7 +377,7 @@ class OLMo3(eqx.Module):
         # is used, the stacked blocks a layer at a time inside the scan (layer_group): olmo3eqx.precision.
         dtype = DTYPE[cfg.compute_dtype]
         model = for_compute(self, dtype)
-        x = model.embed[tokens] if model.embed.dtype == dtype else \
+        x = precision.embed_rows(model.embed, tokens) if model.embed.dtype == dtype else \
             precision.take_rows(model.embed, tokens, dtype, precision.param_spec(("embed",), model.embed.shape))
         types = cfg.resolved_layer_types
         period, groups = scan_groups(cfg)

@@ -174,9 +174,21 @@ def take_rows(table: Float[Array, "vocab d"], rows: Int[Array, "*batch"], dtype,
     def gradient(ids, cotangent):
         if hierarchical_ok(spec, ids.shape[0]):
             return hierarchical(partial, spec, ids, cotangent)
-        return partial(ids, cotangent)
+        zeros = jax.lax.with_sharding_constraint(jnp.zeros(table.shape, jnp.float32), without_fsdp(spec))
+        return zeros.at[ids].add(cotangent.astype(jnp.float32))  # laid out as the gathered table: see embed_rows
 
     return y + weight_gradient_path(y.shape, y.dtype, rows, table, spec, gradient)
+
+
+def embed_rows(table: Float[Array, "vocab d"], rows: Int[Array, "*batch"]) -> Float[Array, "*batch d"]:
+    """table[rows] for the embedding table as the parameters shard it (take_rows without the cast). Under a tensor
+    split the table is first gathered over fsdp, its tensor split kept, as take_rows gathers it: left to choose, XLA's
+    SPMD partitioner (jax 0.10.2) fails a check (ExpandDeviceGroupsWithIota) regrouping the gather's operand inside
+    the step's per-replica region (step.per_replica, `data` manual); the gradient's scatter gets the same layout."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and dict(mesh.shape).get("tensor", 1) > 1:
+        table = jax.lax.with_sharding_constraint(table, without_fsdp(param_spec(("embed",), table.shape)))
+    return table[rows]
 
 
 def fsdp_dim(spec: P) -> int | None:

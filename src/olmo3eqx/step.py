@@ -50,13 +50,14 @@ def micro_batch_loss(params, tokens: Int[Array, "m s"], mask: Float[Array, " m"]
 
 def per_replica(layout: Layout) -> bool:
     """Whether the step sums its gradients per data replica and reduces them over `data` once (`gradients`): on a
-    mesh with data > 1 and no tensor axis. Left to the partitioner, each micro-batch's constraint to the parameter
-    shardings all-reduces over data (across nodes) every micro-batch, and the gradients no hand-written path reduces
-    (the replicated norm weights, float32 compute's) are reduced over data and fsdp at once. With a tensor axis the
-    region does not compile: XLA's SPMD partitioner (jax 0.10.2) fails a check (ExpandDeviceGroupsWithIota) on the
-    loss's and the embedding's gathers and scatters over a tensor-split operand when `data` is manual."""
-    sizes = dict(layout.mesh.shape)
-    return sizes.get("data", 1) > 1 and sizes.get("tensor", 1) == 1
+    mesh with data > 1, with or without a tensor axis. Left to the partitioner, each micro-batch's constraint to the
+    parameter shardings all-reduces over data (across nodes) every micro-batch, and the gradients no hand-written path
+    reduces (the replicated norm weights, float32 compute's; with a tensor split the embedding's and the LM head's)
+    are reduced over data and fsdp at once. With a tensor split the region compiles because the embedding lookup and
+    the label logit keep the tensor split as it is (precision.embed_rows, loss.label_logits): XLA's SPMD partitioner
+    (jax 0.10.2) fails a check (ExpandDeviceGroupsWithIota) regrouping a gather's or scatter's tensor-split operand
+    while `data` is manual."""
+    return dict(layout.mesh.shape).get("data", 1) > 1
 
 
 def loss_ranks(cfg: TrainConfig, layout: Layout) -> int:

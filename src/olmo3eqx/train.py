@@ -207,7 +207,7 @@ def attention_backend(cfg, layout, gpu=None) -> str:
     import jax
     import jax.numpy as jnp
 
-    from olmo3eqx.attention import context_backend, planning_for, resolve, splash_blocks
+    from olmo3eqx.attention import planning_for, resolve, splash_blocks, split_backend
     from olmo3eqx.flash import blocks_for
     from olmo3eqx.model import DTYPE
 
@@ -216,8 +216,9 @@ def attention_backend(cfg, layout, gpu=None) -> str:
     with (jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh),
           planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext()):
         backend = resolve(m.attention_impl, jnp.dtype(DTYPE[m.compute_dtype]), documents=cfg.data.packing, seq=seq)
-        if cfg.mesh.context > 1 and context_backend(backend) != backend:
-            return f"{context_backend(backend)} in place of {backend} (mesh.context: queries at an offset){masked}"
+        used, why = split_backend(backend) if cfg.mesh.context > 1 else (backend, None)
+        if why is not None:
+            return f"{used} in place of {backend} (mesh.context: {why}){masked}"
         if cfg.mesh.context > 1:
             seq //= cfg.mesh.context  # each rank's queries
         if backend == "flash":
