@@ -93,6 +93,7 @@ def hf_conversation(export, questions, new_tokens):
     tok = transformers.AutoTokenizer.from_pretrained(str(export))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
     stops = model.generation_config.eos_token_id
+    stops = stops if isinstance(stops, list) else [stops]
     messages, turns = [], []
     for q in questions:
         messages.append({"role": "user", "content": q})
@@ -165,3 +166,59 @@ def test_another_template_is_refused(sft, tmp_path, capsys):
     assert convert(["orbax-to-hf", "--ckpt", str(run), "--out", str(tmp_path / "hf"), "--tokenizer", str(tok),
                     "--chat-template", str(other)]) == 2
     assert "is not the one the data" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
+def test_export_without_a_record(tmp_path):
+    """A checkpoint of the model alone (as convert.py writes one) records no template: --tokenizer alone writes the
+    tokenizer without one (a base model), --chat-template adds it, and transformers renders it as here; a tokenizer
+    with more ids than the model's rows, or without its PAD id, is refused."""
+    import jax
+
+    from olmo3eqx.checkpoint.model import save_model
+    from olmo3eqx.config import ModelConfig
+    from olmo3eqx.errors import ConversionError
+    from olmo3eqx.hf import tokenizer as hf_tokenizer
+    from olmo3eqx.model import init_model
+
+    tok = tokenizer_dir(tmp_path / "tok", conversations(8))
+    cfg = ModelConfig(**MODEL)
+    save_model(tmp_path / "ckpt", init_model(cfg, jax.random.key(0)), cfg)
+    assert convert(["orbax-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "base"), "--tokenizer",
+                    str(tok)]) == 0
+    config = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    assert "chat_template" not in config and not (tmp_path / "base" / "chat_template.jinja").exists()
+    assert config["eos_token"] == "<|endoftext|>" and config["pad_token"] == "<|pad|>"
+    assert json.loads((tmp_path / "base" / "generation_config.json").read_text())["eos_token_id"] == 0
+    assert convert(["orbax-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "chat"), "--tokenizer",
+                    str(tok / "tokenizer.json"), "--chat-template", "olmo"]) == 0
+    assert (tmp_path / "chat" / "chat_template.jinja").read_text() == (chat.TEMPLATES / "olmo.jinja").read_text()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "chat"))
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == chat.ChatTokenizer(
+        str(tok / "tokenizer.json"), "olmo").render([{"role": "user", "content": "hi"}])
+    with pytest.raises(ConversionError, match="embedding rows"):
+        hf_tokenizer.tokenizer_config(tok / "tokenizer.json", ModelConfig(**{**MODEL, "vocab_size": 256}), None,
+                                      print)
+    with pytest.raises(ConversionError, match="no id 511"):
+        hf_tokenizer.tokenizer_config(tok / "tokenizer.json", ModelConfig(**{**MODEL, "pad_token_id": 511}), None,
+                                      print)
+
+
+@pytest.mark.parametrize("args, conversation, words", [
+    (["--conversation", "c.json"], "not json", "is not JSON"),
+    (["--conversation", "c.json"], {"turns": []}, "holds no list of messages"),
+    (["--conversation", "c.json"], [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+     "nothing to answer"),
+    (["--conversation", "c.json", "--system", "s"], [{"role": "system", "content": "x"},
+                                                     {"role": "user", "content": "q"}], "already has a system"),
+    (["--conversation", "c.json", "hello"], [{"role": "user", "content": "q"}], "one-turn chats"),
+    (["--interactive"], None, "add --chat"),
+])
+def test_conversation_errors_are_one_sentence_before_the_model_loads(tmp_path, monkeypatch, capsys, args,
+                                                                      conversation, words):
+    monkeypatch.chdir(tmp_path)
+    if conversation is not None:
+        (tmp_path / "c.json").write_text(conversation if isinstance(conversation, str) else json.dumps(conversation))
+    chat_flag = [] if words == "add --chat" else ["--chat"]
+    assert generate_cli(["--ckpt", str(tmp_path / "none"), *chat_flag, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err

@@ -51,7 +51,8 @@ def _token_text(value) -> str | None:
 
 def tokenizer_config(source: Path, cfg: ModelConfig, template: str | None, say: Callable[[str], None]) -> dict:
     """tokenizer_config.json of the export: the one beside `source` (a tokenizer.json) or BARE_CONFIG, naming the
-    model's EOS and PAD (a different one given is replaced, and `say` says so), the added tokens and `template`."""
+    model's EOS and PAD (a different one given is replaced, and `say` says so), the added tokens and `template`.
+    A tokenizer with more ids than the model's rows, or without its EOS or PAD id, is refused (ConversionError)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(source))
@@ -82,14 +83,13 @@ def tokenizer_config(source: Path, cfg: ModelConfig, template: str | None, say: 
     return config
 
 
-def write_tokenizer(out: Path, source: Path, cfg: ModelConfig, template: str | None,
-                    say: Callable[[str], None] = print) -> None:
-    """tokenizer.json, tokenizer_config.json and (with `template`) chat_template.jinja into `out`."""
-    config = tokenizer_config(source, cfg, template, say)
+def write_tokenizer(out: Path, source: Path, config: dict) -> None:
+    """tokenizer.json (`source`, copied), tokenizer_config.json (`config`, as tokenizer_config made it) and, where
+    the config holds a chat template, chat_template.jinja into `out`."""
     shutil.copyfile(source, out / TOKENIZER_FILE)
     (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    if template is not None:
-        (out / CHAT_TEMPLATE_FILE).write_text(template)
+    if config.get("chat_template") is not None:
+        (out / CHAT_TEMPLATE_FILE).write_text(config["chat_template"])
 
 
 def write_generation_config(out: Path, cfg: ModelConfig, end_of_turn: Sequence[int] = ()) -> None:

@@ -8,11 +8,12 @@ sentence on stderr and exit code 2; a parity check that fails its threshold exit
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -157,7 +158,8 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
         raise ConversionError("--chat-template goes with the tokenizer it is written beside; add --tokenizer.")
     _refuse_existing(out, "Output directory")
     root, step, cfg = open_model(ckpt)
-    chat = chat_for_export(tokenizer, chat_template, str(ckpt)) if tokenizer is not None else None
+    # every refusal of the tokenizer or its template before the first file is written
+    tok = tokenizer_for_export(tokenizer, chat_template, str(ckpt), cfg) if tokenizer is not None else None
     abstract = abstract_model(cfg)
 
     def leaf(path: tuple[str, ...]):
@@ -166,26 +168,41 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
 
     with staged(out) as local:
         files = weights.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
-        hf_tokenizer.write_generation_config(local, cfg, hf_tokenizer.end_of_turn_ids(chat) if chat is not None else ())
-        if tokenizer is not None:
-            hf_tokenizer.write_tokenizer(local, hf_tokenizer.tokenizer_json(tokenizer), cfg,
-                                         chat.template if chat is not None else None)
+        hf_tokenizer.write_generation_config(local, cfg, tok.stop_ids if tok is not None else ())
+        if tok is not None:
+            hf_tokenizer.write_tokenizer(local, tok.source, tok.config)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
-          f"{dtype or cfg.param_dtype}{', the tokenizer' if tokenizer else ''}"
-          f"{f' and the chat template (sha256 {chat.sha256[:12]}...)' if chat is not None else ''})")
+          f"{dtype or cfg.param_dtype}{f', the tokenizer{tok.said}' if tok is not None else ''})")
 
 
-def chat_for_export(tokenizer: str, spec: str | None, ckpt: str):
-    """The chat template an export writes beside `tokenizer` (olmo3eqx.data.template_record.chat_tokenizer: the one
-    the checkpoint's data was prepared with, no other), or None where nothing names one (a base model)."""
+class TokenizerExport(NamedTuple):
+    """What orbax-to-hf writes of a tokenizer: its tokenizer.json, the tokenizer_config.json to write beside it (the
+    chat template in it), the ids a reply ends at besides the EOS, and how the summary line names the template."""
+
+    source: Path
+    config: dict
+    stop_ids: list[int]
+    said: str
+
+
+def tokenizer_for_export(tokenizer: str, spec: str | None, ckpt: str, cfg) -> TokenizerExport:
+    """The tokenizer `tokenizer` (a directory or its tokenizer.json) as an export of checkpoint `ckpt` writes it, with
+    the chat template its data was prepared with (template_record.chat_tokenizer: `spec`, or the recorded one; no
+    other), or the tokenizer's own, or none where nothing names one (a base model)."""
     from olmo3eqx.data import template_record
-    from olmo3eqx.hf.tokenizer import tokenizer_json
+    from olmo3eqx.hf import tokenizer as hf_tokenizer
 
-    source = str(tokenizer_json(tokenizer))
+    source = hf_tokenizer.tokenizer_json(tokenizer)
     recorded = template_record.recorded_templates(ckpt)
-    if spec is None and not recorded and template_record.own_template(source) is None:
-        return None
-    return template_record.chat_tokenizer(source, spec, recorded, ckpt)
+    chat = None
+    if spec is not None or recorded or template_record.own_template(str(source)) is not None:
+        chat = template_record.chat_tokenizer(str(source), spec, recorded, ckpt)
+    config = hf_tokenizer.tokenizer_config(source, cfg, chat.template if chat is not None else None,
+                                           functools.partial(print, file=sys.stderr))
+    if chat is None:
+        return TokenizerExport(source, config, [], " (no chat template)")
+    return TokenizerExport(source, config, hf_tokenizer.end_of_turn_ids(chat),
+                           f" and the chat template (sha256 {chat.sha256[:12]}...)")
 
 
 @contextlib.contextmanager
