@@ -156,8 +156,10 @@ def test_another_template_is_refused(sft, tmp_path, capsys):
     """A template whose hash the checkpoint did not record: generate --chat and the export refuse it in one sentence
     (exit 2), the export writing nothing."""
     _, run, tok = sft
+    olmo = (chat.TEMPLATES / "olmo.jinja").read_text()
     other = tmp_path / "other.jinja"
-    other.write_text((chat.TEMPLATES / "olmo.jinja").read_text().replace("You are OLMo", "You are Olmo"))
+    other.write_text(olmo.replace("You are OLMo", "You are OLMO", 1))  # one byte
+    assert len(other.read_text()) == len(olmo) and other.read_text() != olmo
     args = ["--ckpt", str(run), "--tokenizer", str(tok / "tokenizer.json"), "--chat", "What is 1+1?"]
     for template in ("olmo_thinker", str(other)):
         assert generate_cli([*args, "--chat-template", template]) == 2
