@@ -45,7 +45,8 @@ command line)."""
 MODULE_COMMANDS = {
     "tools/convert.py": "convert.py", "hf/": "convert.py", "convert.py": "convert.py",
     "tools/evaluate.py": "olmo3eqx-eval", "olmo_tasks.py": "olmo3eqx-eval",
-    "tools/generate.py": "olmo3eqx-generate",
+    "tools/generate.py": "olmo3eqx-generate", "conversation.py": "olmo3eqx-generate",
+    "data/template_record.py": "olmo3eqx-generate",  # its refusals are generate --chat's and orbax-to-hf's alike
     "tools/prepare.py": "olmo3eqx-prepare", "data/prepare.py": "olmo3eqx-prepare",
     "data/chat.py": "olmo3eqx-prepare chat",
     "tools/compare.py": "olmo3eqx-compare",

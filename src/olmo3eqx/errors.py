@@ -26,6 +26,11 @@ class DataError(exits.CommandError, ValueError):
     """Bad data or data config; the message names the file or field and the fix."""
 
 
+class ChatTemplateMismatch(DataError):
+    """A chat template other than the one a checkpoint's data was prepared with (olmo3eqx.data.template_record): the
+    model would be asked in a format it was not fine-tuned on."""
+
+
 class TaskError(DataError):
     """A task that cannot be read or scored; the message names the task (or file and line) and the fix."""
 

@@ -347,7 +347,7 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
     ckpt = cfg.checkpoint
     checkpointer = Checkpointer(storage.join(run_dir, "checkpoints"), keep=ckpt.keep, keep_every=ckpt.keep_every,
                                 permanent_every=ckpt.every if ckpt.ephemeral_every else 0, last_step=cfg.steps,
-                                async_save=ckpt.async_save)
+                                async_save=ckpt.async_save, record=template_record(cfg, log.print))
     index_log = metrics.IndexLog(run_dir, jax.process_index(), cfg.log.indices)
     skips = metrics.SkipLog(run_dir, primary)
     try:
@@ -412,6 +412,18 @@ def train_locked(cfg: TrainConfig, host_note: str | None, lock) -> int:
             peers.leaving(failing)  # the other processes stop now, not once this one's cleanup is done
         # checkpointer last: it waits for the final write, whose failure (a StorageError) ends the run
         close_all((index_log.close, skips.close, log.close, checkpointer.close), failing=failing is not None)
+
+
+def template_record(cfg: TrainConfig, say) -> dict:
+    """What every checkpoint records of the chat templates its data was prepared with (olmo3eqx.data.template_record),
+    said in the log; {} for data without label masks or without prepare chat's record."""
+    from olmo3eqx.data import template_record
+
+    templates = template_record.prepared_templates(cfg.data.label_mask_paths)
+    if templates:
+        say(f"chat data prepared with the template sha256 {', '.join(templates)}: recorded in each checkpoint "
+            f"(olmo3eqx-generate --chat and convert.py orbax-to-hf --tokenizer use that template)")
+    return {template_record.KEY: templates} if templates else {}
 
 
 def nonfinite_tried(cfg: TrainConfig, e: NonFiniteLoss, checkpointer, skips, start: int) -> str:

@@ -114,15 +114,17 @@ class Checkpointer:
     """Composite checkpoints of a train state: `state` (the TrainState's arrays, one tree), `data` (the iterator
     state, JSON) and `config` (the resolved config, JSON). `checkpoints/N/` holds the state after N updates and a
     data state that has consumed exactly N global batches. Which steps are kept: Retention (keep, keep_every,
-    permanent_every, last_step), each step saved with the permanence it is written with.
+    permanent_every, last_step), each step saved with the permanence it is written with, and with `record` (what every
+    step's custom metadata also holds: the chat templates of the run's data, olmo3eqx.data.template_record).
 
     Saves run in orbax's background thread (with async_save): a failure there surfaces at `poll()` (the loop calls
     it every step, so a run on a full disk stops at the step after the failed write, not at the next save), `save`,
     `wait` or `close`, always as StorageError when the storage is to blame."""
 
     def __init__(self, directory: str | StorePath, *, keep: int, keep_every: int = 0, permanent_every: int = 0,
-                 last_step: int | None = None, async_save: bool = True):
+                 last_step: int | None = None, async_save: bool = True, record: dict | None = None):
         self.directory = checkpoint_dir(directory, "run.dir", write=True)
+        self.record = dict(record or {})
         self.remote = is_remote(self.directory)
         self.keep = keep
         self.retention = Retention(keep, keep_every, permanent_every, last_step, self.directory)
@@ -222,7 +224,8 @@ class Checkpointer:
         self._translate(lambda: self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
             data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(config)), force=True, custom_metadata=self.retention.record(step)), step)
+            config=ocp.args.JsonSave(config)), force=True,
+            custom_metadata={**self.record, **self.retention.record(step)}), step)
         self._writing = step
 
     def poll(self) -> None:

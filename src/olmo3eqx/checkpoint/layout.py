@@ -18,6 +18,7 @@ atomically), so a step without one is torn, whoever wrote it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -34,7 +35,8 @@ COMMITTED = "commit_success.txt"
 bucket get one too."""
 STEP_METADATA = "_CHECKPOINT_METADATA"
 """orbax's metadata of a step (JSON), written with the step before it commits; its "custom_metadata" holds what the
-saver passed (a training checkpoint's permanence, olmo3eqx.checkpoint.retention)."""
+saver passed (a training checkpoint's permanence, olmo3eqx.checkpoint.retention; the chat templates of its data,
+olmo3eqx.data.template_record)."""
 
 
 def checkpoint_dir(directory, what: str = "Checkpoint", *, write: bool = False) -> StorePath:
@@ -82,6 +84,17 @@ def resolve_step_dir(path: str | StorePath) -> tuple[StorePath, int]:
         return path.parent, int(path.name)
     root, steps = complete_steps(path)
     return root, steps[-1]
+
+
+def step_custom_metadata(step_dir: StorePath) -> dict:
+    """The custom metadata a step was saved with ({} without any: a converted checkpoint, or a step written before
+    the record existed)."""
+    try:
+        metadata = json.loads(storage.read_text(str(step_dir / STEP_METADATA)))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    custom = metadata.get("custom_metadata") if isinstance(metadata, dict) else None
+    return custom if isinstance(custom, dict) else {}
 
 
 def read_config(root: StorePath, step: int) -> dict:

@@ -11,10 +11,8 @@ checkpoint.every and last step.
 from __future__ import annotations
 
 import dataclasses
-import json
 
-from olmo3eqx import storage
-from olmo3eqx.checkpoint.layout import STEP_METADATA
+from olmo3eqx.checkpoint.layout import step_custom_metadata
 from olmo3eqx.storage import StorePath
 
 PERMANENT = "permanent"
@@ -24,11 +22,7 @@ PERMANENT = "permanent"
 def recorded_permanence(step_dir: StorePath) -> bool | None:
     """The permanence `step_dir` was written with; None when it has no record (a step written before the record
     existed, or a converted checkpoint)."""
-    try:
-        metadata = json.loads(storage.read_text(str(step_dir / STEP_METADATA)))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    value = (metadata.get("custom_metadata") or {}).get(PERMANENT)
+    value = step_custom_metadata(step_dir).get(PERMANENT)
     return value if isinstance(value, bool) else None
 
 

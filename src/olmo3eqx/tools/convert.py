@@ -8,11 +8,12 @@ sentence on stderr and exit code 2; a parity check that fails its threshold exit
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -126,25 +127,39 @@ def hf_to_orbax(hf_dir: Path, out: str | Path, dtype: Dtype = "float32", max_kl:
     print(f"wrote {out} (step 0, {dtype})")
 
 
-def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0) -> None:
+def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, max_shard_gb: float = 2.0,
+                tokenizer: str | None = None, chat_template: str | None = None) -> None:
     """Convert an orbax checkpoint (newest step, or a step directory) to an HF Olmo3 checkpoint directory.
 
     Each model leaf is restored on its own, to host memory, and written out piece by piece: host memory stays near
     the largest leaf. An `out` in a bucket is written to a local temporary directory first (safetensors files are
-    written in place), then uploaded file by file, the index and config last.
+    written in place), then uploaded file by file, the index and config last. generation_config.json names the
+    model's EOS and PAD; with --tokenizer the tokenizer and its chat template go beside the weights, and the ids a
+    reply ends at join the EOS there (olmo3eqx.hf.tokenizer), so the model chats in transformers and vLLM.
 
     Args:
         ckpt: Orbax checkpoint directory (manager root, run directory or one step directory; local, gs:// or s3://).
         out: HF directory to create (config.json, safetensors shards, index): local, gs:// or s3://.
         dtype: Stored dtype; default the checkpoint's param_dtype.
         max_shard_gb: Largest safetensors shard, in GB (10^9 bytes).
+        tokenizer: An HF tokenizer directory (tokenizer.json, tokenizer_config.json) or a tokenizer.json: written
+            beside the weights with the chat template.
+        chat_template: With --tokenizer: a built-in template (olmo, olmo_thinker, ...), a .jinja file or a
+            tokenizer_config.json; unset: the one the checkpoint's data was prepared with (its recorded hash), else
+            the tokenizer's own, else none (a base model).
     """
     from olmo3eqx.checkpoint.model import open_model, restore_model_leaf
+    from olmo3eqx.errors import ConversionError
+    from olmo3eqx.hf import tokenizer as hf_tokenizer
     from olmo3eqx.hf import weights
     from olmo3eqx.model import abstract_model
 
+    if chat_template is not None and tokenizer is None:
+        raise ConversionError("--chat-template goes with the tokenizer it is written beside; add --tokenizer.")
     _refuse_existing(out, "Output directory")
     root, step, cfg = open_model(ckpt)
+    # every refusal of the tokenizer or its template before the first file is written
+    tok = tokenizer_for_export(tokenizer, chat_template, str(ckpt), cfg) if tokenizer is not None else None
     abstract = abstract_model(cfg)
 
     def leaf(path: tuple[str, ...]):
@@ -153,8 +168,41 @@ def orbax_to_hf(ckpt: str | Path, out: str | Path, dtype: Dtype | None = None, m
 
     with staged(out) as local:
         files = weights.write_hf(local, cfg, leaf, max_shard_bytes=int(max_shard_gb * 1e9), dtype=dtype)
+        hf_tokenizer.write_generation_config(local, cfg, tok.stop_ids if tok is not None else ())
+        if tok is not None:
+            hf_tokenizer.write_tokenizer(local, tok.source, tok.config)
     print(f"wrote {out} ({len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
-          f"{dtype or cfg.param_dtype})")
+          f"{dtype or cfg.param_dtype}{f', the tokenizer{tok.said}' if tok is not None else ''})")
+
+
+class TokenizerExport(NamedTuple):
+    """What orbax-to-hf writes of a tokenizer: its tokenizer.json, the tokenizer_config.json to write beside it (the
+    chat template in it), the ids a reply ends at besides the EOS, and how the summary line names the template."""
+
+    source: Path
+    config: dict
+    stop_ids: list[int]
+    said: str
+
+
+def tokenizer_for_export(tokenizer: str, spec: str | None, ckpt: str, cfg) -> TokenizerExport:
+    """The tokenizer `tokenizer` (a directory or its tokenizer.json) as an export of checkpoint `ckpt` writes it, with
+    the chat template its data was prepared with (template_record.chat_tokenizer: `spec`, or the recorded one; no
+    other), or the tokenizer's own, or none where nothing names one (a base model)."""
+    from olmo3eqx.data import template_record
+    from olmo3eqx.hf import tokenizer as hf_tokenizer
+
+    source = hf_tokenizer.tokenizer_json(tokenizer)
+    recorded = template_record.recorded_templates(ckpt)
+    chat = None
+    if spec is not None or recorded or template_record.own_template(str(source)) is not None:
+        chat = template_record.chat_tokenizer(str(source), spec, recorded, ckpt)
+    config = hf_tokenizer.tokenizer_config(source, cfg, chat.template if chat is not None else None,
+                                           functools.partial(print, file=sys.stderr))
+    if chat is None:
+        return TokenizerExport(source, config, [], " (no chat template)")
+    return TokenizerExport(source, config, hf_tokenizer.end_of_turn_ids(chat),
+                           f" and the chat template (sha256 {chat.sha256[:12]}...)")
 
 
 @contextlib.contextmanager

@@ -6,12 +6,16 @@ the host loop is olmo3eqx.generate; this module is the command.
     olmo3eqx-generate --ckpt runs/tiny --temperature 0.8 --top-p 0.95 --seed 1 "import os"
     olmo3eqx-generate --ckpt ckpt/olmo3-7b --file prompts.jsonl --out completions.jsonl
     olmo3eqx-generate --ckpt runs/sft --chat --system "Be brief." "What is 12+7?"  # the chat template, one turn
+    olmo3eqx-generate --ckpt runs/sft --chat --conversation chat.json --interactive --out chat.json  # many turns
 
 `--ckpt` takes what olmo3eqx-eval takes (a run, one of its steps, convert.py's output, an HF Olmo3 directory); the
 tokenizer is `--tokenizer`, else an HF directory's tokenizer.json, else the run's eval.tokenizer; a converted
 checkpoint without one needs `--tokenizer`. `--file` reads JSONL lines ({"prompt": ...}, or a JSON string) and
 writes one {"prompt", "completion", "finish", "tokens"} line per prompt (to `--out`: a local file, or a gs:// or
-s3:// URL written when the last prompt is done). The checkpoint is restored straight onto every device's shard in
+s3:// URL written when the last prompt is done). With --chat the template is the one the checkpoint's data was
+prepared with (its recorded hash, olmo3eqx.data.template_record), and another is refused; --conversation answers a
+JSON list of messages, --interactive then reads user messages from stdin, one a line (olmo3eqx.conversation), and
+--out gets the whole conversation as JSON. The checkpoint is restored straight onto every device's shard in
 the compute dtype (olmo3eqx.checkpoint.load_any); several processes run the same command together (run's doc).
 """
 
@@ -48,7 +52,8 @@ class Args:
     """JSONL of prompts: {"prompt": ...} objects or JSON strings, one per line."""
     out: str | None = None
     """With --file: write one {"prompt", "completion", "finish", "tokens"} JSON line per prompt here, a local path or
-    a gs:// or s3:// URL (default: stdout)."""
+    a gs:// or s3:// URL (default: stdout); with --conversation or --interactive: the whole conversation, answers
+    included, as JSON (a file --conversation takes back)."""
     max_new_tokens: int = 128
     """Most tokens to generate per prompt."""
     temperature: float = 0.0
@@ -64,13 +69,21 @@ class Args:
     batch_size: int = 16
     """Prompts generated together (--file)."""
     chat: bool = False
-    """Each prompt is a user message: the chat template (--chat-template, else the tokenizer's own) renders it with
-    the assistant's prompt, and generation stops at the template's end of turn (EOS, or <|im_end|>)."""
+    """Each prompt is a user message: the chat template renders it with the assistant's prompt, and generation stops
+    at the template's end of turn (EOS, or <|im_end|>)."""
+    conversation: str | None = None
+    """With --chat: a JSON file of the conversation so far (a list of {"role", "content"} messages, or
+    {"messages": [...]}); its last message is answered (instead of prompts)."""
+    interactive: bool = False
+    """With --chat: then read user messages from stdin, one a line, each answered with the conversation so far,
+    until the input ends (one process)."""
     system: str | None = None
-    """With --chat: a system message before each user message."""
+    """With --chat: a system message before each user message (or opening the conversation)."""
     chat_template: str | None = None
     """With --chat: a built-in template (olmo, olmo_thinker, bytes), a .jinja file or a tokenizer_config.json; unset:
-    chat_template.jinja or tokenizer_config.json beside the tokenizer.json, the bytes template for 'bytes'."""
+    the one the checkpoint's data was prepared with (prepare chat's hash, kept by the trainer), else
+    chat_template.jinja or tokenizer_config.json beside the tokenizer.json, the bytes template for 'bytes'. A template
+    other than the one the data was prepared with is refused (exit 2)."""
     dtype: str | None = None
     """Weights and compute in this dtype (float32, bfloat16, float16); unset: the checkpoint's compute dtype (float32
     for an HF directory)."""
@@ -124,19 +137,33 @@ def run(args: Args) -> int:
     distributed.initialize(DistConfig())  # before anything touches a device
     import jax
 
+    from olmo3eqx import conversation
     from olmo3eqx.checkpoint.model import load_any
-    from olmo3eqx.data.chat import ChatTokenizer
+    from olmo3eqx.data import template_record
     from olmo3eqx.sharding import node_mesh
     from olmo3eqx.tasks import Tokenizer
 
     out = storage.check(args.out, "--out", write=True) if args.out else None  # refused first
-    if (args.system is not None or args.chat_template is not None) and not args.chat:
-        raise GenerationError("--system and --chat-template apply to chat prompts; add --chat.")
+    if (args.system is not None or args.chat_template is not None or args.conversation is not None
+            or args.interactive) and not args.chat:
+        raise GenerationError("--system, --chat-template, --conversation and --interactive apply to chat; add --chat.")
+    many_turns = args.conversation is not None or args.interactive
     prompts = list(args.prompts)
     if args.file:
         prompts += read_prompt_file(args.file)
-    if not prompts:
+    if many_turns and prompts:
+        raise GenerationError("Prompts and --file are one-turn chats; with --conversation or --interactive put the "
+                              "user's messages in the conversation or on stdin.")
+    if not prompts and not many_turns:
         raise GenerationError("No prompt given: pass prompts as arguments or --file prompts.jsonl.")
+    if args.interactive and jax.process_count() > 1:
+        raise GenerationError("--interactive reads stdin in one process; give several processes a --conversation.")
+    messages = conversation.read_conversation(args.conversation) if args.conversation else []
+    if messages and messages[-1]["role"] == "assistant" and not args.interactive:
+        raise GenerationError(f"The conversation in {args.conversation} ends with the assistant's message: nothing to "
+                              f"answer; end it with a user message, or add --interactive.")
+    if many_turns:
+        messages = conversation.with_system(messages, args.system)
     try:
         sampler = dec.Sampler(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
@@ -150,7 +177,11 @@ def run(args: Args) -> int:
               f"id beyond the model's stops generation with an error.", file=sys.stderr)
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop)
     if args.chat:
-        chat = ChatTokenizer(tokenizer.spec, args.chat_template)
+        chat = template_record.chat_tokenizer(tokenizer.spec, args.chat_template,
+                                              template_record.recorded_templates(args.ckpt), args.ckpt)
+        if many_turns:
+            return chat_turns(args, model, chat, tokenizer, sampler, stop + chat.end_of_turn, mesh, speaks, out,
+                              messages, step)
         system = [{"role": "system", "content": args.system}] if args.system else []
         ids = [chat.encode(system + [{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
         stop += chat.end_of_turn
@@ -185,6 +216,36 @@ def run(args: Args) -> int:
             sys.stdout.write(lines)
             sys.stdout.flush()
         print(f"{min(start + args.batch_size, len(ids))}/{len(ids)} prompts", file=sys.stderr)
+    return exits.OK
+
+
+def chat_turns(args: Args, model, chat, tokenizer, sampler, stop: tuple[str, ...], mesh, speaks: bool, out,
+               messages: list[dict], step: int) -> int:
+    """--conversation / --interactive: each answer streamed to stdout as it is generated from the conversation so
+    far, then added to it; the whole conversation written to --out (JSON) at the end."""
+    from olmo3eqx import conversation, storage
+
+    turns = 0
+
+    def reply(so_far: list[dict]) -> str:
+        nonlocal turns
+        ids = chat.encode(so_far, add_generation_prompt=True)
+        t0 = time.perf_counter()
+        [c] = generate(model, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler, seed=args.seed + turns,
+                       stop=stop, decode=tokenizer.decode, chunk=1, mesh=mesh,
+                       on_text=(lambda _, text: (sys.stdout.write(text), sys.stdout.flush())) if speaks else None)
+        turns += 1
+        if speaks:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print(f"[turn {turns}: {len(c.tokens)} tokens in {time.perf_counter() - t0:.1f} s, ended by {c.finish}; "
+                  f"step {step} of {args.ckpt}]", file=sys.stderr)
+        return c.text
+
+    users = conversation.user_lines(sys.stdin) if args.interactive else ()
+    messages = conversation.converse(messages, users, reply)
+    if speaks and out is not None:
+        storage.write_text(out, json.dumps(messages, indent=1, ensure_ascii=False) + "\n")
     return exits.OK
 
 
