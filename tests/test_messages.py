@@ -32,6 +32,7 @@ BASES = {
     "olmo3eqx-generate": [["olmo3eqx-generate", "--ckpt", "c"]],
     "olmo3eqx-prepare": [["olmo3eqx-prepare", "--input", "i", "--tokenizer", "t", "--out", "o"]],
     "olmo3eqx-prepare chat": [["olmo3eqx-prepare", "chat", "--input", "i", "--tokenizer", "t", "--out", "o"]],
+    "olmo3eqx-prepare instruct-tokenizer": [["olmo3eqx-prepare", "instruct-tokenizer", "--tokenizer", "t", "--out", "o"]],
     "olmo3eqx.data.prepare": [["python", "-m", "olmo3eqx.data.prepare", "--input", "i", "--tokenizer", "t",
                                "--out", "o"]],
     "olmo3eqx-compare": [["olmo3eqx-compare", "a", "b"]],
@@ -48,7 +49,8 @@ MODULE_COMMANDS = {
     "tools/generate.py": "olmo3eqx-generate", "conversation.py": "olmo3eqx-generate",
     "data/template_record.py": "olmo3eqx-generate",  # its refusals are generate --chat's and orbax-to-hf's alike
     "tools/prepare.py": "olmo3eqx-prepare", "data/prepare.py": "olmo3eqx-prepare",
-    "data/chat.py": "olmo3eqx-prepare chat",
+    "data/chat.py": "olmo3eqx-prepare chat", "data/chat_mix.py": "olmo3eqx-prepare chat",
+    "data/hub.py": "olmo3eqx-prepare chat", "data/tool_tokens.py": "olmo3eqx-prepare instruct-tokenizer",
     "tools/compare.py": "olmo3eqx-compare",
     "tools/regenerate_mixes.py": "olmo3eqx-regenerate-mixes",
     "tools/lm_eval_adapter.py": "olmo3eqx-lm-eval", "tools/lm_eval_cli.py": "olmo3eqx-lm-eval",
@@ -57,6 +59,8 @@ MODULE_COMMANDS = {
 ABOUT_TRAINING = {("data/chat.py", "--steps")}
 """A flag a module's message suggests for the training run, not for the module's command: `olmo3eqx-prepare chat`'s
 summary gives the `--steps` of AI2's epochs."""
+OTHER_PROGRAMS = {"--dataset_mixer_list"}
+"""Another program's flags a message names as the origin of a format (open-instruct's mixer lists)."""
 PLACEHOLDERS = {"--name", "--other", "--section.field"}
 """Flags that stand for any flag (`--section.field value`)."""
 PROSE = {"a", "adds", "an", "and", "and/or", "apply", "allows", "as", "at", "by", "converts", "files", "for", "from", "in",
@@ -65,7 +69,7 @@ PROSE = {"a", "adds", "an", "and", "and/or", "apply", "allows", "as", "at", "by"
 """Words a sentence goes on with after a flag: not the flag's value."""
 
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w.-]*[a-z0-9])(?:[ =]([^\s]+))?")
-COMMAND = re.compile(r"olmo3eqx-prepare chat|olmo3eqx-[a-z-]+|python -m (olmo3eqx\.[\w.]+)|bench/\w+\.py|"
+COMMAND = re.compile(r"olmo3eqx-prepare (?:chat|instruct-tokenizer)|olmo3eqx-[a-z-]+|python -m (olmo3eqx\.[\w.]+)|bench/\w+\.py|"
                      r"\b(?:train|convert)\.py|\b(?:pip|tensorboard|lm_eval)\b")
 FOLLOWING = re.compile(r"\s+for\s+(olmo3eqx-[a-z-]+|train\.py|convert\.py)")
 SENTENCE_BREAK = re.compile(r"\n|[.;,] |\)")
@@ -127,7 +131,7 @@ def mentions(path: Path) -> list[Mention]:
             continue
         commands = list(COMMAND.finditer(node.value))
         for m in FLAG.finditer(node.value):
-            if m.group(1).startswith("--xla_") or m.group(1) in PLACEHOLDERS:
+            if m.group(1).startswith("--xla_") or m.group(1) in PLACEHOLDERS | OTHER_PROGRAMS:
                 continue
             command = command_of(node.value, m, commands, rel)
             if command not in FOREIGN:

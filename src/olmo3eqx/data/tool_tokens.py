@@ -7,7 +7,7 @@ is the dolma2 tokenizer with four unused placeholders, `<|extra_id_1|>` to `<|ex
 renamed `<functions>`, `</functions>`, `<function_calls>` and `</function_calls>`: the vocabulary keeps its size and
 every other id, and each tag encodes to one id where the base tokenizer splits it into several. This writes that
 tokenizer.json from a base one and, beside it, the instruct chat template (chat_templates/olmo3_instruct.jinja), so
-`prepare chat` and `generate --chat` given the new tokenizer.json find their template there.
+`olmo3eqx-prepare chat` and `olmo3eqx-generate --chat` given the new tokenizer.json find their template there.
 """
 
 from __future__ import annotations
