@@ -52,12 +52,14 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from olmo3eqx import cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
-from olmo3eqx.context import context_ranks, gather_sequence, masked_attention, split_attention
+from olmo3eqx.context import (context_chunks, context_ranks, keys_for_rank, masked_attention, reach, split_attention,
+                               stack_slots, unstack_slots)
 from olmo3eqx.specs import CONTEXT
 from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
@@ -205,8 +207,9 @@ def say_split_backend(backend: str, ranks: int) -> str:
 def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int | None, block_kv: int | None,
                       segment_ids):
     """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
-    against all keys, at explicit positions. "xla" masks them so, flash takes the queries' offset, splash splits its
-    kernel's mask with the queries; the other backends run as flash (split_backend, said once)."""
+    against the keys they can see (all, or a sliding window's neighbour chunks), at explicit positions. "xla" masks
+    them so, flash takes the queries' offset, splash splits its kernel's mask with the queries; the other backends
+    run as flash (split_backend, said once)."""
     seq = q.shape[-3]
     if window is not None and window >= seq:
         window = None
@@ -223,7 +226,7 @@ def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int
                                q_offset=offset, kv_segment_ids=kv_seg)
 
     spec = shard_spec(jax.sharding.get_abstract_mesh(), q.shape, k.shape[-2])
-    return split_attention(local, q, k, v, segment_ids, P(spec[0], CONTEXT, spec[2], None))
+    return split_attention(local, q, k, v, segment_ids, P(spec[0], CONTEXT, spec[2], None), window)
 
 
 def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim: int = 128
@@ -240,17 +243,24 @@ def splash_blocks(seq: int, block_q: int | None, block_kv: int | None, head_dim:
     return -(-padded // step) * step, bq, bkv
 
 
-def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, interpret: bool, q_shards: int = 1):
-    """The splash kernel for one example's [heads, seq, dim]. Built per trace: its mask information becomes arrays of
-    that trace (the numpy work behind them is cached by the Pallas package). `q_shards`: the query sequence split
-    that many ways (context ranks: the kernel's mask information is then split with it, splash_context)."""
+def splash_kernel(seq: int, heads: int, window: int | None, bq: int, bkv: int, interpret: bool, q_shards: int = 1,
+                  q_positions=None, kv_seq: int | None = None):
+    """The splash kernel for one example's [heads, seq, dim] queries against [heads, kv_seq (default seq), dim] keys.
+    Built per trace: its mask information becomes arrays of that trace (the numpy work behind them is cached by the
+    Pallas package). `q_shards`: the query sequence split that many ways (context ranks: the kernel's mask
+    information is then split with it, splash_context); `q_positions`: the queries' positions among the keys
+    (int32 [seq], default 0..seq-1: the balanced layout's order, as MaxText's LoadBalancedCausalMask; or a neighbour
+    span's queries, its last `seq` of kv_seq keys)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
+    shape = (seq, kv_seq or seq)
     if window is None:
-        mask = sm.CausalMask((seq, seq))
+        mask = sm.CausalMask(shape)
     else:  # LocalMask (left, right) allows i - left <= j <= i + right: W keys including the query is (W - 1, 0)
-        mask = sm.LocalMask((seq, seq), window_size=(window - 1, 0), offset=0)
+        mask = sm.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    if q_positions is not None:
+        mask.q_sequence = np.asarray(q_positions, np.int32)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
@@ -301,41 +311,59 @@ def splash_context(
     q: Float[Array, "b seq heads dim"], k: Float[Array, "b seq kv_heads dim"], v: Float[Array, "b seq kv_heads dim"],
     *, window: int | None, block_q: int | None, block_kv: int | None, segment_ids: Int[Array, "b seq"] | None,
 ) -> Float[Array, "b seq heads dim"]:
-    """The "splash" backend with the sequence split over the context axis (olmo3eqx.context), as MaxText runs it:
-    one kernel for the whole [seq, seq] mask built with q_seq_shards = the context ranks, its mask information split
-    over them with the queries (the kernel's manual_sharding_spec), keys, values and their segment ids all-gathered
-    in the same shard_map that splits the batch and heads. Each rank's chunk must be a multiple of the blocks (no
-    padding inside a split sequence)."""
+    """The "splash" backend with the sequence split over the context axis (olmo3eqx.context), as MaxText runs it,
+    in the shard_map that splits the batch and heads. With the all-gather: one kernel for the whole [seq, seq] mask
+    built with q_seq_shards = the context ranks and the queries at their layout's positions (balanced: MaxText's
+    LoadBalancedCausalMask), its mask information split over the ranks with the queries (the kernel's
+    manual_sharding_spec), keys, values and their segment ids gathered in the natural order. With neighbour spans
+    (a sliding window that reaches few chunks): one kernel for a chunk's queries, the last of its span's keys, run on
+    each rank's chunks stacked as rows. Each chunk must be a multiple of the blocks (no padding inside a split
+    sequence)."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     from olmo3eqx.errors import ConfigError
 
-    ranks = context_ranks()
+    chunks = context_chunks()
+    ranks, slots = chunks.ranks, chunks.slots
     seq, dim = q.shape[1], q.shape[-1]
-    chunk = seq // ranks
+    chunk = seq // chunks.count
     padded, bq, bkv = splash_blocks(chunk, block_q, block_kv, dim)
     if padded != chunk:
-        raise ConfigError(f"model.attention_impl 'splash' with mesh.context={ranks} needs each rank's {chunk} tokens "
-                          f"to be a multiple of its blocks ({bq} x {bkv}); make data.seq_len / mesh.context one.")
+        layout = f" in {chunks.count} balanced chunks (mesh.context_balance)" if chunks.balanced else ""
+        raise ConfigError(f"model.attention_impl 'splash' with mesh.context={ranks}{layout} needs each chunk's "
+                          f"{chunk} tokens to be a multiple of its blocks ({bq} x {bkv}); make data.seq_len / "
+                          f"{chunks.count} one.")
     mesh = jax.sharding.get_abstract_mesh()
     spec = shard_spec(mesh, q.shape, k.shape[-2])
     heads = q.shape[-2] // (mesh.shape["tensor"] if spec[-2] == "tensor" else 1)
-    kernel = splash_kernel(seq, heads, window, bq, bkv, target_device()[0] == "cpu", q_shards=ranks)
+    interpret = target_device()[0] == "cpu"
+    back = reach(window, chunk, chunks)
+    if back is None:
+        kernel = splash_kernel(seq, heads, window, bq, bkv, interpret, q_shards=ranks,
+                               q_positions=chunks.positions(seq) if chunks.balanced else None)
+        kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, CONTEXT)))
+    else:
+        span = (back + 1) * chunk
+        kernel = splash_kernel(chunk, heads, window, bq, bkv, interpret, kv_seq=span,
+                               q_positions=np.arange(span - chunk, span))
+        kernel_spec = jax.tree.map(lambda _: P(), kernel)
     spec = P(spec[0], CONTEXT, spec[2], None)
     seg_spec = P(spec[0], CONTEXT)
-    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, CONTEXT)))
     q = (q.astype(jnp.float32) / math.sqrt(dim)).astype(q.dtype)
 
-    def per_shard(kernel, q, k, v, *segments):
-        k, v = gather_sequence(k), gather_sequence(v)
+    def run(kernel, q, k, v, q_seg, kv_seg):
         heads_major = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-        if segments:
-            kv = jax.lax.all_gather(segments[0], CONTEXT, axis=1, tiled=True)
-            out = jax.vmap(lambda q, k, v, s, t: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=t)))(
-                *heads_major, segments[0], kv)
-        else:
-            out = jax.vmap(kernel)(*heads_major)
+        if q_seg is None:
+            return jnp.swapaxes(jax.vmap(kernel)(*heads_major), 1, 2)
+        out = jax.vmap(lambda q, k, v, s, t: kernel(q, k, v, segment_ids=SegmentIds(q=s, kv=t)))(
+            *heads_major, q_seg, kv_seg)
         return jnp.swapaxes(out, 1, 2)
+
+    def per_shard(kernel, q, k, v, *segments):
+        k, v, q_seg, kv_seg = keys_for_rank(k, v, segments[0] if segments else None, chunks, back)
+        if back is None:
+            return run(kernel, q, k, v, q_seg, kv_seg)
+        return unstack_slots(run(kernel, stack_slots(q, slots), k, v, q_seg, kv_seg), slots)
 
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids.astype(jnp.int32))
     specs = (kernel_spec, spec, spec, spec) + ((seg_spec,) if segment_ids is not None else ())

@@ -393,9 +393,15 @@ class MeshConfig:
     """Tensor parallel: projections split by column/row."""
     context: int = 1
     """Context parallel: each instance's sequence split into this many chunks over a `context` axis (queries stay on
-    their rank, keys and values are all-gathered for attention); parameters and optimizer state are sharded over
-    context too, with fsdp, so it costs no weight memory. Kept within a node or slice, like fsdp. 1: no such axis
+    their rank; keys and values are all-gathered for attention, or on a sliding layer only the neighbour chunks its
+    window reaches); parameters and optimizer state are sharded over context too, with fsdp, so it costs no weight
+    memory. Kept within a node or slice, like fsdp. 1: no such axis
     (docs/tpu-gpu.md#context-parallelism)."""
+    context_balance: bool = True
+    """With mesh.context N > 1, causal load balancing as MaxText and OLMo-core do it: the train step cuts each
+    sequence into 2N chunks and rank i holds chunks i and 2N - 1 - i, so every rank does near-equal causal attention
+    work (data.seq_len must split into 2N chunks). False: rank i holds the i-th of N contiguous chunks, and the last
+    rank's global layers work (2N - 1)/N times the mean (docs/tpu-gpu.md#context-parallelism)."""
     max_per_device_batch: int = 4
     """Largest micro-batch per device; the rest of the global batch is gradient accumulation."""
     node_devices: int = 0

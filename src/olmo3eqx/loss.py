@@ -210,12 +210,15 @@ def label_logits(logits: Float[Array, "b c v"], y: Int[Array, "b c"]) -> Float[A
 
 
 def loss_sums(model: OLMo3, tokens: Int[Array, "b s"], weights: Float[Array, "b s"], z_loss: float,
-              segment_ids: Int[Array, "b s"] | None = None) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of tokens[b, t + 1];
-    `segment_ids` (packed batches) keep attention within each document."""
-    hidden = model.hidden(tokens, segment_ids=segment_ids)
-    ce, z = token_losses(hidden, model.head_weight(hidden.dtype), next_token_labels(tokens), z_loss,
-                         master=model.lm_head.weight)
+              segment_ids: Int[Array, "b s"] | None = None, labels: Int[Array, "b s"] | None = None,
+              positions: Int[Array, "b s"] | None = None) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """(sum of CE, sum of z-loss) over positions, weights[b, t] scoring the prediction of `labels`[b, t] (default
+    tokens[b, t + 1]); `segment_ids` (packed batches) keep attention within each document; `positions`: the tokens'
+    RoPE positions (OLMo3.hidden). Labels and positions are given where the sequence is not in its natural order
+    (the train step's balanced context chunks)."""
+    hidden = model.hidden(tokens, segment_ids=segment_ids, positions=positions)
+    labels = next_token_labels(tokens) if labels is None else labels
+    ce, z = token_losses(hidden, model.head_weight(hidden.dtype), labels, z_loss, master=model.lm_head.weight)
     return jnp.sum(ce * weights), jnp.sum(z * weights)
 
 

@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from olmo3eqx import precision
 from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
-from olmo3eqx.context import context_ranks, split_rows
+from olmo3eqx.context import context_ranks, layout_positions, split_rows
 
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -368,10 +368,12 @@ class OLMo3(eqx.Module):
             cfg=cfg,
         )
 
-    def hidden(self, tokens: Int[Array, "*batch seq"],
-               segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
+    def hidden(self, tokens: Int[Array, "*batch seq"], segment_ids: Int[Array, "*batch seq"] | None = None,
+               positions: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
         """Final-normed hidden states in the compute dtype (the loss unembeds them in chunks). `segment_ids`: each
-        token's document in a packed instance (see the module doc); None: one document per row."""
+        token's document in a packed instance (see the module doc); None: one document per row. `positions`: each
+        token's RoPE position, given where the sequence is not in its natural order (the train step's balanced
+        context chunks, olmo3eqx.context); None: computed here (per document with `segment_ids`)."""
         cfg = self.cfg
         # In the compute dtype; under a mesh with mesh.gather_dtype "compute" each weight is gathered in it where it
         # is used, the stacked blocks a layer at a time inside the scan (layer_group): olmo3eqx.precision.
@@ -383,8 +385,11 @@ class OLMo3(eqx.Module):
         period, groups = scan_groups(cfg)
         # Outside the scan: each kind's table is computed once, not once per layer.
         tables = rope_tables(tokens.shape[-1], cfg)
-        if segment_ids is not None:
+        if positions is None and segment_ids is not None:
             positions = document_positions(segment_ids)
+        if positions is None:
+            positions = layout_positions(tokens.shape[-1])  # one document a row, the sequence balanced (or None)
+        if positions is not None:
             tables = {kind: table.at(positions) for kind, table in tables.items()}
 
         run_group = layer_group(cfg, types[:period], tables, segment_ids)

@@ -292,6 +292,10 @@ def build_layout(cfg: TrainConfig, devices=None) -> Layout:
     if cfg.data.seq_len % cfg.mesh.context:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into mesh.context={cfg.mesh.context} equal "
                           f"chunks; choose a context size that divides it.")
+    if cfg.mesh.context > 1 and cfg.mesh.context_balance and cfg.data.seq_len % (2 * cfg.mesh.context):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} does not split into the {2 * cfg.mesh.context} equal "
+                          f"chunks of mesh.context={cfg.mesh.context} balanced; choose a sequence length they divide "
+                          f"or set --mesh.no-context-balance.")
     mesh = make_mesh(cfg.mesh, devices)
     plan = plan_batch(cfg.data.global_batch, mesh, cfg.mesh.max_per_device_batch)
     optimizer = optim.make_optimizer(cfg.optim, cfg.steps)

@@ -23,9 +23,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from olmo3eqx import optim
 from olmo3eqx.config import OptimConfig, TrainConfig
-from olmo3eqx.context import splitting_sequences
-from olmo3eqx.loss import label_weights, loss_sums, per_rank_scale
-from olmo3eqx.model import DTYPE, cast_floating
+from olmo3eqx.context import context_chunks, splitting_sequences, to_layout
+from olmo3eqx.loss import label_weights, loss_sums, next_token_labels, per_rank_scale
+from olmo3eqx.model import DTYPE, cast_floating, document_positions
 from olmo3eqx.precision import traced_gathering
 from olmo3eqx.sharding import Layout, batch_sharding, on_mesh, sequence_sharding
 from olmo3eqx.state import TrainState
@@ -39,12 +39,17 @@ def split_micro(x: Array, accum: int) -> Array:
 
 def micro_batch_loss(params, tokens: Int[Array, "m s"], mask: Float[Array, " m"], z_loss: float,
                      total: Float[Array, ""], segment_ids: Int[Array, "m s"] | None = None,
-                     label_mask: Bool[Array, "m s"] | None = None
+                     label_mask: Bool[Array, "m s"] | None = None, labels: Int[Array, "m s"] | None = None,
+                     weights: Float[Array, "m s"] | None = None, positions: Int[Array, "m s"] | None = None
                      ) -> tuple[Float[Array, ""], tuple[Float[Array, ""], Float[Array, ""]]]:
     """(what a micro-batch backpropagates, (its CE sum, its z-loss sum)). Its sums are divided by `total`, the labelled
     tokens of the whole global batch (OLMo-core's loss_div_factor), not by its own count, so the accumulated gradient
-    is the gradient of the global token mean whatever the accumulation."""
-    ce, z = loss_sums(params, tokens, label_weights(tokens, mask, label_mask), z_loss, segment_ids)
+    is the gradient of the global token mean whatever the accumulation. A sequence in the balanced context layout
+    comes with what needs the natural order already computed (`gradients`): its `labels`, label `weights` (mask and
+    label_mask in them) and RoPE `positions`."""
+    if weights is None:
+        weights = label_weights(tokens, mask, label_mask)
+    ce, z = loss_sums(params, tokens, weights, z_loss, segment_ids, labels, positions)
     return (ce + z) / total, (ce, z)
 
 
@@ -112,17 +117,23 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
         return jax.lax.scan(accumulate, (zeros, jnp.zeros(()), jnp.zeros(())),
                             (micro_tokens, micro_mask, micro_packed))[0]
 
-    @splitting_sequences
     def gradients(params, tokens: Int[Array, "b s"], mask: Float[Array, " b"],
                   segment_ids: Int[Array, "b s"] | None = None, label_mask: Bool[Array, "b s"] | None = None):
         weights = label_weights(tokens, mask, label_mask)
         total = jnp.maximum(jnp.sum(weights), 1.0)
         if ranks:
             mask = mask * per_rank_scale(weights, ranks)
+        packed = (segment_ids, label_mask)
+        chunks = context_chunks()
+        if chunks.balanced:  # once a step: what needs the natural order first, then every [rows, seq] array reordered
+            positions = None if segment_ids is None else document_positions(segment_ids)
+            weights = label_weights(tokens, mask, label_mask)  # of `mask` as it is here: with any per-row factor in it
+            natural = (tokens, segment_ids, None, next_token_labels(tokens), weights, positions)
+            tokens, *packed = (None if x is None else to_layout(x, chunks) for x in natural)
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
         micro_mask = split_micro(mask, plan.accum_steps)
         micro_packed = tuple(None if x is None else jax.lax.with_sharding_constraint(
-            split_micro(x, plan.accum_steps), micro_sharding) for x in (segment_ids, label_mask))
+            split_micro(x, plan.accum_steps), micro_sharding) for x in packed)
         if not per_replica(layout):
             return (*accumulated(params, total, micro_tokens, micro_mask, micro_packed), total)
         arrays, static = eqx.partition(params, eqx.is_array)
@@ -136,7 +147,7 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
                              check_vma=False)(arrays, total, micro_tokens, micro_mask, micro_packed)
         return (jax.lax.with_sharding_constraint(sums[0], param_specs), *sums[1:], total)
 
-    return gradients
+    return splitting_sequences(gradients, balanced=cfg.mesh.context_balance)
 
 
 def make_train_step(cfg: TrainConfig, layout: Layout) -> Callable:

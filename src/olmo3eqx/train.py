@@ -188,15 +188,23 @@ def dry_run(cfg, target: str | None = None) -> None:
 
 
 def context_line(cfg) -> str:
-    """The dry run's line for mesh.context: each rank's chunk and how evenly attention's work falls on the ranks."""
+    """The dry run's line for mesh.context: each rank's chunks, the keys each layer kind receives, and how evenly
+    attention's work falls on the ranks."""
     from olmo3eqx.config import SLIDING
-    from olmo3eqx.context import attention_balance
+    from olmo3eqx.context import Chunks, attention_balance, reach
 
     m, seq, ranks = cfg.model, cfg.data.seq_len, cfg.mesh.context
+    chunks = Chunks(ranks, cfg.mesh.context_balance)
+    chunk = seq // chunks.count
     windows = [m.sliding_window if t == SLIDING else None for t in m.resolved_layer_types]
-    return (f"{ranks} ranks x {seq // ranks:,} tokens of each sequence, keys and values all-gathered per layer; "
-            f"attention FLOPs per rank max/mean {attention_balance(windows, seq, ranks):.3f} (contiguous chunks: "
-            f"no causal load balancing)")
+    back = reach(m.sliding_window if SLIDING in m.resolved_layer_types else None, chunk, chunks)
+    keys = "keys and values all-gathered per layer" if back is None else (
+        f"keys and values all-gathered per global layer, the {back} previous chunk{'s' * (back > 1)} a sliding "
+        f"window reaches by collective permutes")
+    held = (f"{chunks.slots} chunks of {chunk:,} tokens (i and {2 * ranks - 1} - i: balanced)" if chunks.balanced
+            else f"{chunk:,} contiguous tokens (no causal load balancing)")
+    return (f"{ranks} ranks x {held} of each sequence, {keys}; attention FLOPs per rank max/mean "
+            f"{attention_balance(windows, seq, ranks, chunks.balanced):.3f}")
 
 
 def attention_backend(cfg, layout, gpu=None) -> str:
