@@ -1,18 +1,20 @@
 """The 7B stage-3 step (65,536-token packed instances, document masking, YaRN) planned for an 8-GPU node on this
 host: the train step partitioned over 8 simulated CPU devices and compiled by XLA:CPU, whose memory analysis stands in
 for XLA:GPU's (an estimate: the compilers fuse and schedule differently), for each attention backend, remat policy
-and mesh (pure FSDP, FSDP x tensor), against an H100's (80 GB) and an H200's (141 GB) memory.
+and mesh (pure FSDP, FSDP x tensor, FSDP x context), against an H100's (80 GB) and an H200's (141 GB) memory.
 
     python bench/bench_gpu_plan.py [--config configs/olmo3-7b-stage3.yaml] [--attention flash blocked]
-                                   [--remat full dots] [--tensor 1 2 4 8] [--layers N]
+                                   [--remat full dots] [--tensor 1 2 4 8] [--context 1 8] [--layers N]
 
 Each cell is what `python train.py --config C --target h100x8 --dry-run --model.attention-impl A --model.remat R
---mesh.tensor T` prints. Writes bench/results/gpu_plan.json; the table last.
+--mesh.tensor T --mesh.context C` prints (pairs with tensor x context over 8 left out). Writes
+bench/results/gpu_plan.json; the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", nargs="+", default=["flash", "blocked"])
     ap.add_argument("--remat", nargs="+", default=["full", "dots"])
     ap.add_argument("--tensor", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--context", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a quicker, smaller plan)")
     args = ap.parse_args(argv)
 
@@ -53,14 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], []
     for attention in args.attention:
         for remat in args.remat:
-            for tensor in args.tensor:
+            for tensor, context in itertools.product(args.tensor, args.context):
+                if tensor * context > 8:
+                    continue
                 model = dataclasses.replace(base.model, attention_impl=attention, remat=remat, remat_by_chip=())
-                mesh = dataclasses.replace(base.mesh, fsdp=-1, tensor=tensor)
+                mesh = dataclasses.replace(base.mesh, fsdp=-1, tensor=tensor, context=context)
                 cfg = dataclasses.replace(base, model=model, mesh=mesh)
                 layout = build_layout(cfg, jax.devices()[:8])
                 report = aot.compile_step(cfg, layout, nodes["h100x8"])
                 total = report.memory["total"] / aot.GIB
-                row = {"attention": attention, "remat": remat, "mesh": f"fsdp {8 // tensor} x tensor {tensor}",
+                split = f"tensor {tensor}" + (f" x context {context}" if context > 1 else "")
+                row = {"attention": attention, "remat": remat, "mesh": f"fsdp {8 // (tensor * context)} x {split}",
                        "batch": f"{layout.plan.per_device_batch} x {layout.plan.accum_steps}",
                        "memory": f"{total:.2f}", "temp": f"{report.memory['temp'] / aot.GIB:.2f}",
                        "compile": f"{report.compile_s:.1f}"}

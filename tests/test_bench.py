@@ -301,3 +301,26 @@ def test_step_profile_attributes_a_scanned_step_to_its_source_lines(profile_modu
     assert sum(rows.values()) == pytest.approx(result["span_ms"], rel=1e-6)
     table = capsys.readouterr().out
     assert "matmul FLOPs executed" in table and "Linear.__call__" in table
+
+
+@pytest.mark.slow  # four compiles of the tiny step on 4 of the suite's devices; -m slow
+def test_context_bench_compares_cp4_with_cp1_on_the_same_devices(monkeypatch, tmp_path, capsys):
+    """CP-1 (fsdp 4) and CP-4 (context 4) on the same 4 devices, batch and tokens per device: both timed, the same
+    first loss, and only CP-4 sends bytes over the context axis, which the table reports as added."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_context
+
+    out = tmp_path / "context.json"
+    argv = ["--seq", "256", "--batch", "4", "--documents", "3", "--steps", "1", "--json", str(out)]
+    assert bench_context.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    one, four = results["CP-1"], results["CP-4"]
+    assert one["mesh"]["fsdp"] == 4 and "context" not in one["mesh"]
+    assert (four["mesh"]["fsdp"], four["mesh"]["context"]) == (1, 4)
+    assert one["tokens_per_device"] == four["tokens_per_device"] == 256
+    assert len(one["step_s"]) == len(four["step_s"]) == 1
+    assert four["first_loss"] == pytest.approx(one["first_loss"], rel=1e-4)
+    assert one["context_bytes"] == 0 and four["context_bytes"] > 0 and four["within_bytes"] > one["within_bytes"]
+    table = capsys.readouterr().out
+    added = (four["within_bytes"] - one["within_bytes"]) / 2**20
+    assert f"+{added:,.2f}" in table and "CP-4" in table and "fsdp 1 x context 4" in table

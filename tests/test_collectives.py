@@ -166,6 +166,39 @@ def test_tiny_step_reduces_every_gradient_in_float32_over_fsdp():
     assert json.loads(json.dumps(traffic.to_json()))["within_bytes_per_device"] == traffic.total(False)
 
 
+def test_context_axis_bytes_per_link_on_two_nodes():
+    """The tiny packed step with context parallelism on two simulated nodes of 4 (data 2 across them, fsdp 2 x
+    context 2 within each): the context axis's collectives (keys' and values' gathers, their gradients'
+    reduce-scatters, the label shift) stay within a node, and the dry run's table sums each set of mesh axes per
+    link: what the context axis alone sends, the weights over fsdp x context, the gradients' reduction over data
+    across the nodes."""
+    from test_context import config
+
+    cfg = config(2, "flash")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compute_dtype="bfloat16"),
+                              mesh=dataclasses.replace(cfg.mesh, data=2, fsdp=-1, node_devices=4))
+    layout = build_layout(cfg)
+    assert dict(layout.mesh.shape) == {"data": 2, "fsdp": 2, "context": 2, "tensor": 1}
+    report = aot.compile_step(cfg, layout, predict_time=False)
+    traffic = report.collectives
+    assert traffic.granules == 2
+    by_axes = traffic.by_axes()
+    context = [r for r in traffic.rows if r.axes == ("context",)]
+    assert {r.kind for r in context} >= {"all-gather", "reduce-scatter", "collective-permute"}
+    assert not any(r.across for r in traffic.rows if "context" in r.axes)
+    assert by_axes[("context",)] == (pytest.approx(sum(r.bytes_per_device for r in context)), 0.0)
+    assert by_axes[("context",)][0] > 0 and by_axes[("fsdp", "context")][0] > 0
+    within, across = by_axes[("data",)]
+    assert within == 0 and across > 0  # the gradients; the loss's scalars over data x fsdp beside them
+    assert all("data" in axes for axes, (_, a) in by_axes.items() if a)
+    assert sum(w + a for w, a in by_axes.values()) == pytest.approx(traffic.total(False) + traffic.total(True))
+    printed = "\n".join(report.lines())
+    assert re.search(rf"\n  context +{by_axes[('context',)][0] / 2**20:,.2f} +0\.00\n", printed), printed
+    assert re.search(rf"\n  data +0\.00 +{across / 2**20:,.2f}\n", printed), printed
+    stored = json.loads(json.dumps(traffic.to_json()))["by_axes"]
+    assert {tuple(e["axes"]): (e["within_bytes_per_device"], e["across_bytes_per_device"]) for e in stored} == by_axes
+
+
 GPU_ASYNC = """HloModule m, is_scheduled=true
 
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -131,6 +131,9 @@ LONG_WARMUP = 200  # LinearWithWarmup(warmup=200, alpha_f=0.0)
 LONG_DATA_SEED = 4123  # internal script (the published one says 34521)
 LONG_SOURCE_GROUP_SIZE, LONG_PERMUTATION_SEED = 8, 123  # NumpyPackedFSLDatasetConfig
 LONG_YARN = dict(factor=8.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=8192)
+LONG_CP_DEGREE = 8  # TransformerContextParallelConfig.llama3(degree=8, head_stride=4)
+LONG_SHARD_DEGREE = 1  # TransformerDataParallelConfig(hsdp, shard_degree=1): weights over the CP ranks only
+LONG_RANK_MICROBATCH_TOKENS = 65536  # rank_microbatch_size=sequence_length: one instance a CP group
 
 
 def test_stage3_preset_is_long_context_script():
@@ -147,6 +150,10 @@ def test_stage3_preset_is_long_context_script():
     assert (cfg.data.source_group_size, cfg.data.source_permutation_seed) == (LONG_SOURCE_GROUP_SIZE,
                                                                               LONG_PERMUTATION_SEED)
     assert cfg.data.seed == LONG_DATA_SEED
+    # AI2's mesh on one node (fsdp -1 = 8 / context 8 = its shard degree) and on N nodes with --mesh.data N
+    assert (cfg.mesh.context, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (LONG_CP_DEGREE, 1, -1, 1)
+    assert 8 // cfg.mesh.context == LONG_SHARD_DEGREE
+    assert cfg.mesh.max_per_device_batch * cfg.data.seq_len == LONG_RANK_MICROBATCH_TOKENS
     assert cfg.init_from == "runs/olmo3-7b-stage2/checkpoints" and cfg.init_optimizer
     r = cfg.model.rope_scaling
     assert r.rope_type == "yarn" and {k: getattr(r, k) for k in LONG_YARN} == LONG_YARN
@@ -230,6 +237,11 @@ def test_sft_presets_are_ai2s_sft_script(preset):
     assert cfg.loss.normalize == "per_rank"  # TransformerTrainModule.train_batch: tests/test_loss_rule.py
     assert cfg.loss.ranks == sft_data_parallel_ranks(SFT_NODES[preset], SFT_SEQUENCE_LENGTH)
     assert cfg.loss.ranks == {"olmo3-7b-sft-think.yaml": 32, "olmo3-7b-sft-instruct.yaml": 16}[preset]
+    # BatchSizeConfig: the smallest power-of-2 CP degree that brings a rank to 16,384 tokens; HSDP shard degree
+    # GPUS_PER_NODE // cp_degree within a node: fsdp -1 on one node of 8 (--mesh.data N on N nodes)
+    cp = SFT_NODES[preset] * GPUS_PER_NODE // sft_data_parallel_ranks(SFT_NODES[preset], SFT_SEQUENCE_LENGTH)
+    assert (cfg.mesh.context, cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (cp, 1, -1, 1) == (2, 1, -1, 1)
+    assert cfg.mesh.max_per_device_batch == 1
     stage3 = load_yaml(CONFIGS / "olmo3-7b-stage3.yaml")
     assert cfg.model == stage3.model  # TransformerConfig.olmo3_7B with YaRN(8, 32, 1, 8192): the stage-3 model
     ref = LinearWithWarmup(warmup_fraction=SFT_WARMUP_FRACTION, alpha_f=0.0)

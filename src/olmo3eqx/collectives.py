@@ -29,6 +29,9 @@ spans more than one granule (a node or a TPU slice: `granules`, shaped like mesh
   with n the group size: all-gather and all-to-all (n-1)/n of the raw bytes, reduce-scatter (n-1)/n, all-reduce
   2(n-1)/n, a collective-permute the whole buffer. Other algorithms (trees, NVLS, in-network reductions) move other
   amounts; the ring's is the usual bandwidth-bound figure.
+- Summary. The table's rows sum a step's collectives by kind, dtype, mesh axes and link; below them `by_axes` sums
+  each set of mesh axes per link (what a context axis alone sends, `context`, apart from the weights' gathers over
+  `fsdp,context`; the data axis's gradient reduction across nodes).
 - Several TPU slices. XLA:TPU compiles a multislice step as each slice's program: its collectives' groups name the
   slice's own devices (partition ids 0..devices per slice - 1, read as the first slice's positions in the mesh), and
   what crosses the data-centre network is host transfers to the Megascale runtime (`send` with
@@ -167,6 +170,16 @@ class Traffic:
         """Bytes each device sends per step within granules (across=False) or across them."""
         return float(sum(r.bytes_per_device for r in self.rows if r.across == across))
 
+    def by_axes(self) -> dict[tuple[str, ...], tuple[float, float]]:
+        """Bytes each device sends per step (within granules, across them) by the mesh axes a collective's groups
+        span, each set of axes once (`("context",)`: what the context axis alone carries, the keys' and values'
+        gathers; `("fsdp", "context")`: the weights' gathers over both), sets that send nothing left out."""
+        out: dict[tuple[str, ...], list[float]] = {}
+        for r in self.rows:
+            if r.bytes_per_device:
+                out.setdefault(r.axes, [0.0, 0.0])[r.across] += r.bytes_per_device
+        return {axes: (within, across) for axes, (within, across) in out.items()}
+
     @property
     def unknown(self) -> tuple[Collective, ...]:
         """Collectives whose count is not exact."""
@@ -179,6 +192,8 @@ class Traffic:
                           "bytes_per_device": r.bytes_per_device, "raw_bytes": r.raw_bytes, "count_is": r.exact}
                          for r in self.rows],
                 "within_bytes_per_device": self.total(False), "across_bytes_per_device": self.total(True),
+                "by_axes": [{"axes": list(axes), "within_bytes_per_device": within, "across_bytes_per_device": across}
+                            for axes, (within, across) in self.by_axes().items()],
                 "not_exact": [{"name": c.name, "kind": c.kind, "count_is": c.exact} for c in self.unknown]}
 
     def lines(self) -> list[str]:
@@ -194,6 +209,9 @@ class Traffic:
                        f"{r.bytes_per_device / MIB:>13,.2f}")
         out.append(f"  total per device per step: {self.total(False) / MIB:,.2f} MiB within a node/slice, "
                    f"{self.total(True) / MIB:,.2f} MiB across ({self.granules} node(s)/slice(s) in the mesh)")
+        out.append(f"  {'by mesh axes':<43}{'MiB/device within':>20}{'across':>13}")
+        for axes, (within, across) in self.by_axes().items():
+            out.append(f"  {','.join(axes):<43}{within / MIB:>20,.2f}{across / MIB:>13,.2f}")
         unknown = [c for c in self.unknown if c.exact == "unknown"]
         if unknown:
             out.append(f"  >= : {len(unknown)} collectives sit in loops whose trip count neither the compiler nor the "
