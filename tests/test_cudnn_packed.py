@@ -129,8 +129,8 @@ def test_cudnn_on_split_sequences_runs_flash_and_says_why_once(monkeypatch, caps
     ids = jnp.asarray(ROWS[:2])  # row 0's second document crosses the chunk boundary at 8
 
     def split(window):
-        return jax.jit(on_mesh(mesh, splitting_sequences(
-            lambda q, k, v, s: attn.attention(q, k, v, window=window, impl="cudnn", segment_ids=s))),
+        return jax.jit(on_mesh(mesh, splitting_sequences(  # contiguous chunks: the inputs are in natural order
+            lambda q, k, v, s: attn.attention(q, k, v, window=window, impl="cudnn", segment_ids=s), balanced=False)),
             in_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     for window in (5, None):

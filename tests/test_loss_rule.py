@@ -128,15 +128,17 @@ def token_losses(module: TransformerTrainModule) -> tuple[np.ndarray, np.ndarray
     return out.ce_loss.reshape(BATCH, SEQ).double().numpy(), (labels != -100).numpy()
 
 
-def our_step(ckpt, devices: int, loss: LossConfig, data: int = 1) -> tuple[float, float]:
-    """(CE, pre-clip grad norm) of our jitted step on `devices` simulated devices (data x fsdp; data > 1 as that many
-    nodes: the step's per-replica region), one row per device per micro-batch, from the converted checkpoint."""
+def our_step(ckpt, devices: int, loss: LossConfig, data: int = 1, context: int = 1) -> tuple[float, float]:
+    """(CE, pre-clip grad norm) of our jitted step on `devices` simulated devices (data x fsdp x context; data > 1 as
+    that many nodes: the step's per-replica region), one row per device per micro-batch (per context group with a
+    context axis), from the converted checkpoint."""
     _, model_cfg = load_model(ckpt)
-    mesh = MeshConfig(data=data, fsdp=devices // data, node_devices=devices // data, max_per_device_batch=1)
+    mesh = MeshConfig(data=data, fsdp=devices // data // context, context=context, node_devices=devices // data,
+                      max_per_device_batch=1)
     cfg = TrainConfig(steps=1, model=model_cfg, data=DataConfig(seq_len=SEQ, global_batch=BATCH, packing=True),
                       optim=OPTIM, loss=loss, init_from=str(ckpt), mesh=mesh)
     layout = build_layout(cfg, jax.devices()[:devices])
-    assert layout.plan.accum_steps == BATCH // devices and per_replica(layout) == (data > 1)
+    assert layout.plan.accum_steps == BATCH * context // devices and per_replica(layout) == (data > 1)
     state = init_from(cfg.init_from, layout.init_state(cfg), layout.state_target(), with_optimizer=False)
     tokens, label_mask = sft_batch()
     batch = {"tokens": tokens.astype(np.int32), "mask": np.ones(BATCH, np.float32),
@@ -183,6 +185,16 @@ def test_loss_ranks_reproduce_olmo_core_ranks_on_any_mesh(olmo_core):
     module, ckpt = olmo_core
     ref = olmo_core_step(module, 4)
     ours = our_step(ckpt, 2, LossConfig(normalize="per_rank", ranks=4), data=2)
+    np.testing.assert_allclose(ours, ref, rtol=GATE)
+
+
+def test_per_rank_loss_holds_with_the_sequence_split_over_context(olmo_core):
+    """The SFT presets' shape in miniature: loss.ranks 4 on data 2 x fsdp 1 x context 2 (each sequence split in
+    balanced chunks, reordered at the step's start after the per-row factor is put in the mask): OLMo-core's
+    4-rank loss."""
+    module, ckpt = olmo_core
+    ref = olmo_core_step(module, 4)
+    ours = our_step(ckpt, 4, LossConfig(normalize="per_rank", ranks=4), data=2, context=2)
     np.testing.assert_allclose(ours, ref, rtol=GATE)
 
 
