@@ -53,6 +53,9 @@ ALLOWED_SKIPS = {
     "tcmalloc is not installed":
         "test_hostmem.py's real re-exec test needs libtcmalloc-minimal4, which .ci/run installs best effort (apt, "
         "root); train.py runs without it (glibc malloc)",
+    "OLMES (oe_eval) is not installed":
+        "test_gen_tasks.py's comparison of gsm8k_chat's prompt and regexes with OLMES's own config: OLMES is not on "
+        "PyPI (a git install of allenai/olmes), so CI cannot install it; the constants name their source",
     "an accelerator host":
         "test_aot.py's CPU-host start test means a host without a GPU or TPU; on one, the accelerator tests cover it",
 }

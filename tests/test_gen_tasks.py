@@ -125,7 +125,7 @@ def test_chat_answers_extracted_with_olmes_regexes():
 def test_chat_config_equals_olmes_where_installed():
     """The prompt and regexes are OLMES's gsm8k::zs_cot_latex config (copied from its oe_eval/configs/tasks.py);
     where OLMES is installed, they are compared with it."""
-    olmes = pytest.importorskip("oe_eval.configs.tasks")
+    olmes = pytest.importorskip("oe_eval.configs.tasks", reason="OLMES (oe_eval) is not installed: it is not on PyPI")
     cfg = olmes.TASK_CONFIGS["gsm8k::zs_cot_latex"]["chat_overrides"]
     assert cfg["context_kwargs"]["template"] == gen_tasks.CHAT_PROMPT
     assert cfg["metric_kwargs"]["answer_format_regex"] == gen_tasks.ANSWER_FORMAT
