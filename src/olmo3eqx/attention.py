@@ -341,7 +341,10 @@ def splash_context(
     if back is None:
         kernel = splash_kernel(seq, heads, window, bq, bkv, interpret, q_shards=ranks,
                                q_positions=chunks.positions(seq) if chunks.balanced else None)
-        kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, CONTEXT)))
+        # Its mask information split over context alone, reckoned on a mesh of that axis: on the step's mesh inside
+        # the per-replica region (data manual) splash's shard_shape fails ("Unhandled OpSharding type ... manual").
+        kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(
+            jax.sharding.AbstractMesh((ranks,), (CONTEXT,)), P(None, CONTEXT)))
     else:
         span = (back + 1) * chunk
         kernel = splash_kernel(chunk, heads, window, bq, bkv, interpret, kv_seq=span,
