@@ -146,6 +146,7 @@ def test_dry_run_on_this_host(capsys):
     assert number_after(by_chip, "compiled FLOPs:") != number_after(out, "compiled FLOPs:")  # not dots
 
 
+@pytest.mark.slow  # ~20 s: test_collectives and test_accumulation compile multi-node plans in the default suite
 def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     """`--target h100x8`: a float32 model's packed documents get flash (cuDNN has no float32 kernel; bf16 would take
     cuDNN's packed layout), the 8 simulated devices stand for the node, memory is judged against an H100's; h200x4

@@ -101,7 +101,8 @@ def small_cfg(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 64}, {"num_hidden_layers": 5, "layer_types": (F, S, S, F, S)},
+@pytest.mark.parametrize("kw", [pytest.param({}, marks=pytest.mark.slow),  # ~20 s; the window cases cover it
+                                {"sliding_window": 64}, {"num_hidden_layers": 5, "layer_types": (F, S, S, F, S)},
                                 {"compute_dtype": "bfloat16"}])
 def test_cached_logits_equal_the_full_forward_at_every_position(kw):
     """Prefill some tokens (left-padded differently per row), then feed the rest one by one: every position's logits

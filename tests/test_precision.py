@@ -214,6 +214,7 @@ def test_a_chunked_loss_reduces_the_lm_head_gradient_once(monkeypatch):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
 
 
+@pytest.mark.slow  # ~20 s: tests/test_accumulation.py measures the bytes across nodes in the default suite
 def test_on_two_nodes_only_data_crosses_and_the_gradients_stay(monkeypatch):
     """Two nodes of 4 devices (mesh.node_devices 4, data 2 x fsdp 4), bfloat16 compute, the loss in chunks: every
     weight's gathers and gradient reduce-scatters stay within a node, and across nodes only the data axis runs,
