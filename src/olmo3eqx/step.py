@@ -122,12 +122,12 @@ def make_gradients(cfg: TrainConfig, layout: Layout) -> Callable:
         weights = label_weights(tokens, mask, label_mask)
         total = jnp.maximum(jnp.sum(weights), 1.0)
         if ranks:
-            mask = mask * per_rank_scale(weights, ranks)
+            scale = per_rank_scale(weights, ranks)
+            mask, weights = mask * scale, weights * scale[:, None]
         packed = (segment_ids, label_mask)
         chunks = context_chunks()
         if chunks.balanced:  # once a step: what needs the natural order first, then every [rows, seq] array reordered
             positions = None if segment_ids is None else document_positions(segment_ids)
-            weights = label_weights(tokens, mask, label_mask)  # of `mask` as it is here: with any per-row factor in it
             natural = (tokens, segment_ids, None, next_token_labels(tokens), weights, positions)
             tokens, *packed = (None if x is None else to_layout(x, chunks) for x in natural)
         micro_tokens = jax.lax.with_sharding_constraint(split_micro(tokens, plan.accum_steps), micro_sharding)
