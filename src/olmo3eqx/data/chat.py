@@ -121,6 +121,15 @@ def load_template(spec: str | None, tokenizer: str) -> str:
     return path.read_text()
 
 
+TEMPLATE_HASH_KEY = "chat_template_sha256"
+"""The template hash's key in prepare chat's metadata.json (and in a checkpoint's custom metadata: template_record)."""
+
+
+def template_sha256(text: str) -> str:
+    """A chat template's hash as prepare chat records it and a checkpoint keeps it: sha256 of its utf-8 text."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @functools.lru_cache(maxsize=8)
 def compiled(template: str):
     """The template compiled as transformers compiles it (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
@@ -161,7 +170,7 @@ class ChatTokenizer:
             self.eos_token = self._tok.id_to_token(self.eos_id)
         has_end = self._tok is not None and self._tok.token_to_id(END_OF_TURN) is not None
         self.end_of_turn = (END_OF_TURN,) if has_end else ()
-        self.sha256 = hashlib.sha256(self.template.encode()).hexdigest()
+        self.sha256 = template_sha256(self.template)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         """The template's text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it: with
@@ -454,7 +463,7 @@ def prepare_chat(inputs: Sequence[str], *, tokenizer: str, out: str | Path, chat
     files, spans = shards.files, shards.spans
     meta = {"format": FORMAT_VERSION, "kind": "chat", "tokenizer": chat.spec if chat.spec == BYTES else
             Path(chat.spec).name, "vocab_size": chat.vocab_size, "eos_id": chat.eos_id, "dtype": str(dtype),
-            "chat_template_sha256": chat.sha256, "max_seq_len": max_seq_len, "long": long,
+            TEMPLATE_HASH_KEY: chat.sha256, "max_seq_len": max_seq_len, "long": long,
             "shard_tokens": shard_tokens, "inputs": [storage.redact(i) for i in inputs], "files": files,
             "rows": report.rows, "conversations": report.kept, "truncated": report.truncated,
             "tokens": report.tokens, "labelled_tokens": report.labelled,

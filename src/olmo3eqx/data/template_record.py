@@ -9,17 +9,16 @@ model answers in the format it was fine-tuned on, or not at all.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from olmo3eqx import storage
-from olmo3eqx.data.chat import TEMPLATES, ChatTokenizer, load_template
+from olmo3eqx.data.chat import TEMPLATE_HASH_KEY, TEMPLATES, ChatTokenizer, load_template, template_sha256
 from olmo3eqx.data.source import METADATA, expand_paths
 from olmo3eqx.errors import ChatTemplateMismatch, DataError
 
-KEY = "chat_template_sha256"
+KEY = TEMPLATE_HASH_KEY
 """The template hash's key, in prepare chat's metadata.json and in a checkpoint's custom metadata (a list there)."""
 
 
@@ -76,10 +75,7 @@ def chat_tokenizer(tokenizer: str, spec: str | None, recorded: Sequence[str], wh
     record: `spec` when its hash is recorded, else unset the tokenizer's own or a built-in whose hash is; any other
     template is refused (ChatTemplateMismatch, exit 2)."""
     if spec is None and recorded:
-        # ChatTokenizer's hash (the one prepare records) of each template this process knows; ChatTokenizer checks it
-        # again below, so a change to that rule is a refusal, never a wrong template
-        known = [s for s, text in _known_templates(tokenizer).items()
-                 if hashlib.sha256(text.encode()).hexdigest() in recorded]
+        known = [s for s, text in _known_templates(tokenizer).items() if template_sha256(text) in recorded]
         if not known:
             raise ChatTemplateMismatch(
                 f"The data of checkpoint {where} was prepared with a chat template (sha256 {', '.join(recorded)}) "
