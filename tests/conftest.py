@@ -3,17 +3,65 @@ pytest's --jaxtyping-packages (pyproject addopts).
 
 The suite is dominated by XLA compile time, not by running tiny models, so XLA's backend optimisation is
 turned down (3-4x faster compiles on this CPU). Tests compare computations compiled under the same flags.
+
+The same programs compile again and again (the default run's train step in every train.py subprocess, the same tiny
+models across tests), so the suite keeps one persistent JAX compilation cache for its run: a fresh directory per
+suite run (no entry from an earlier checkout can stand in for today's code), set in the environment before jax is
+imported, so the train.py subprocesses the tests start share it. JAX keys each entry on the program (its StableHLO),
+the compile options, the XLA flags, the devices and the jax/jaxlib versions: a change to the model's code is a
+different program and misses (tests/test_compile_cache.py). A compile that reads XLA's dump of itself skips the cache
+(olmo3eqx.aot.uncached).
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+SUITE_CACHE = "OLMO3EQX_SUITE_COMPILATION_CACHE"
+"""Set to the suite's cache directory by the process that made it; a pytest-xdist worker finds it here and shares it."""
+if SUITE_CACHE not in os.environ:
+    os.environ[SUITE_CACHE] = tempfile.mkdtemp(prefix="olmo3eqx-xla-cache-")
+    _made_cache = True
+else:
+    _made_cache = False
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SUITE_CACHE]
+# Every compile is cached, not only those over JAX's default second: the tiny models compile in well under one.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# A size limit turns on JAX's file lock around every read and write of an entry (filelock, which the test extra's
+# packages bring): processes compiling the same program at once (a multi-process run, pytest-xdist's workers) never
+# read an entry another is still writing. The suite writes a few GB at most; nothing is evicted below this.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 * 2**30)
+
 
 import pytest  # noqa: E402
+
+
+DEFAULT_SUITE: dict[str, int] = {}
+"""Filled when this pytest run collected the whole default suite (the README's command: no paths, no -m, no -k): the
+count of tests it selected and deselected, for tests/test_suite_budget.py."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    addopts = config.getini("addopts")
+    default_markers = addopts[addopts.index("-m") + 1]
+    if (config.args in ([], ["tests"], [str(config.rootpath / "tests")]) and not config.option.keyword
+            and config.option.markexpr == default_markers):
+        DEFAULT_SUITE["selected"] = len(items)
+
+
+def pytest_deselected(items):
+    DEFAULT_SUITE["deselected"] = DEFAULT_SUITE.get("deselected", 0) + len(items)
+
+
+def pytest_unconfigure(config):
+    if _made_cache:
+        shutil.rmtree(os.environ[SUITE_CACHE], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

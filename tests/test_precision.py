@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmo3eqx.aot import uncached
 from olmo3eqx.config import FULL, SLIDING, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights
 from olmo3eqx.model import cast_floating, scan_groups
@@ -82,8 +83,9 @@ def partitioned_hlo(cfg: TrainConfig, tmp_path) -> tuple[str, object]:
     """The train step's program right after SPMD partitioning (before XLA:CPU widens its collectives), and its mesh."""
     layout = build_layout(cfg)
     step = make_train_step(cfg, layout)
-    step.lower(layout.state_target(), *layout.batch_target(SEQ)).compile(
-        {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "all-reduce-promotion"})
+    with uncached():  # a cached executable comes back without the dump
+        step.lower(layout.state_target(), *layout.batch_target(SEQ)).compile(
+            {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "all-reduce-promotion"})
     [dump] = tmp_path.glob("*jit_train_step*before_all-reduce-promotion.txt")
     return dump.read_text(), layout.mesh
 

@@ -14,6 +14,7 @@ devices), `v5e:16x16`, `v6e:8x8`, `v4:4x4x4`. A host without a TPU runs the comp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -182,8 +183,6 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
     """Lower and compile `cfg`'s train step over `layout` (abstract inputs: nothing allocated) and measure it; `gpu`:
     the layout's simulated devices stand for that GPU node (attention planned as on its GPUs, its memory);
     `predict_time` False: no TPU step-time prediction (it compiles the loop bodies again)."""
-    import contextlib
-
     import jax
 
     from olmo3eqx.attention import planning_for
@@ -201,7 +200,8 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
     try:
         with planning_for("gpu", gpu.device_kind) if gpu is not None else contextlib.nullcontext(), dump as where:
             lowered = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len))
-            compiled = lowered.compile(CPU_DUMP | {"xla_dump_to": where} if where else None)
+            with uncached() if where else contextlib.nullcontext():
+                compiled = lowered.compile(CPU_DUMP | {"xla_dump_to": where} if where else None)
             program = partitioned_program(where) if where else None
     except jax.errors.JaxRuntimeError as e:
         vmem, found = OUT_OF_VMEM.search(str(e)), OUT_OF_HBM.search(str(e))
@@ -239,6 +239,26 @@ CPU_DUMP = {"xla_dump_hlo_pass_re": "all-reduce-promotion"}
 float-normalization passes widen them to float32: `compiled.as_text()` on CPU devices reads float32 for every
 collective. The collectives of a CPU compile (the dry run on simulated devices, a GPU node planned here) are
 therefore read from the program as partitioned, dumped just before that pass: the dtypes XLA:GPU and XLA:TPU keep."""
+
+
+@contextlib.contextmanager
+def uncached():
+    """Compiles inside this block skip JAX's persistent compilation cache (jax_compilation_cache_dir: the test suite
+    sets one, a user may): its key leaves out XLA's dump options, so a cached executable would come back without the
+    dump a compile asks for (CPU_DUMP). A compile that reads its own dump runs here."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used; ask it again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def partitioned_program(where: str) -> str | None:
