@@ -76,7 +76,8 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[
                           r" \{([^}]*)\}")
 _MAXIMAL = re.compile(r"replica_groups=maximal_mesh\[")
 _PAIRS = re.compile(r"source_target_pairs=(\{(?:\{\d+,\d+\},?)*\})")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+"""One array in a shape's text: its element type and its dimensions (`bf16[4,8192]`)."""
 
 
 class HloParseError(ValueError):
@@ -315,7 +316,7 @@ def shape_tree(shape: str):
                     pos += 1
                     return items
                 items.append(parse())
-        found = _ARRAY.match(text, pos)
+        found = ARRAY.match(text, pos)
         if found is None:
             if text.startswith("token[]", pos) or text.startswith("token", pos):
                 pos += len("token")
