@@ -82,6 +82,41 @@ def test_memory_bound_kernel_costs_its_bytes_over_hbm():
     assert once.seconds == pytest.approx(once.bytes / 3.35e12, rel=1e-12)
 
 
+SCAN_STEP = """
+%take (w: bf16[8,64,64], i: s32[]) -> bf16[64,64] {
+  %w = bf16[8,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,64]{2,1,0} dynamic-slice(%w, %i, %z, %z), dynamic_slice_sizes={1,64,64}
+  ROOT %r = bf16[64,64]{1,0} bitcast(%ds)
+}
+
+%put (buf: bf16[8,64,64], u: bf16[64,64], j: s32[]) -> bf16[8,64,64] {
+  %buf = bf16[8,64,64]{2,1,0} parameter(0)
+  %u = bf16[64,64]{1,0} parameter(1)
+  %j = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %u3 = bf16[1,64,64]{2,1,0} bitcast(%u)
+  ROOT %dus = bf16[8,64,64]{2,1,0} dynamic-update-slice(%buf, %u3, %j, %zero, %zero)
+}
+
+ENTRY %main (w: bf16[8,64,64], i: s32[]) -> bf16[8,64,64] {
+  %w = bf16[8,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %one = bf16[64,64]{1,0} fusion(%w, %i), kind=kLoop, calls=%take
+  ROOT %two = bf16[8,64,64]{2,1,0} fusion(%w, %one, %i), kind=kLoop, calls=%put
+}
+"""
+
+
+def test_a_scan_step_moves_its_slice_not_the_stacked_array():
+    """A layer scan's step reads one layer of the stacked weights (a fusion that only dynamic-slices its operand)
+    and writes one layer of the stacked outputs in place (a dynamic-update-slice root): 8 KiB each, not 64 KiB."""
+    layer, index = 64 * 64 * 2, 4
+    moved = {k.name: k.bytes for k in estimate(SCAN_STEP, H100).kernels}
+    assert moved == {"one": layer + index + layer, "two": layer + layer + index}  # (read, read, write), in place
+
+
 def test_collective_costs_its_bytes_over_the_link_it_crosses():
     mesh = Mesh(np.asarray(jax.devices()[:8]), ("fsdp",))
     sent = 7 / 8 * 32 * 16 * 4  # ring all-gather: (n-1)/n of the gathered f32[32,16]
@@ -160,3 +195,25 @@ def test_compiled_all_gather_over_8_h100s():
     sent = 7 / 8 * 8 * 1024 * 1024 * 2
     assert (est.within_bytes, est.across_bytes) == (sent, 0.0)
     assert est.communication_s == pytest.approx(sent / 450e9, rel=1e-12)
+
+
+@pytest.mark.gpu_small
+@needs_cuda
+def test_compiled_cudnn_attention_counts_its_visible_pairs():
+    """cuDNN's fused attention on an H100, causal and with a window of 256 keys: forward 2 matmuls and backward 5,
+    each 2 x head_dim FLOPs per visible (query, key) pair: queries x mean_keys (flops.mean_keys)."""
+    from olmo3eqx.flops import mean_keys
+
+    mesh = Mesh(np.asarray(h100s(1)), ("x",))
+    b, s, h, d = 2, 1024, 4, 128
+    x = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    for window in (None, 256):
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                               local_window_size=None if window is None else (window - 1, 0))
+            return out.astype(jnp.float32).sum()
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile().as_text()
+        kernels = [k for k in estimate(text, H100).kernels if k.kind == "attention"]
+        pairs = b * h * s * mean_keys(s, window)
+        assert sorted(k.flops for k in kernels) == [2 * 2 * d * pairs, 5 * 2 * d * pairs], window

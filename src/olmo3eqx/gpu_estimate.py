@@ -76,11 +76,12 @@ class Gpu:
 
 
 GPUS = (
-    ("b200", Gpu("NVIDIA B200", 2.25e15, 4.5e15, 1.1e15, 80e12, 8.0 * TB, 900 * GB, 50 * GB,
+    ("b200", Gpu("NVIDIA B200", 2.25e15, 4.5e15, 1.1e15, 74.5e12, 8.0 * TB, 900 * GB, 50 * GB,
                  "NVIDIA DGX B200 datasheet: 72 PFLOPS fp8 training (8 GPUs, with sparsity: 4.5 PFLOP/s dense fp8, "
                  "2.25 bf16, 1.1 TF32 per GPU), 64 TB/s HBM3e (8 TB/s per GPU), fifth-generation NVLink 1.8 TB/s per "
                  "GPU (900 GB/s each way), 8 x 400 Gb/s ConnectX-7 (50 GB/s per GPU); float32 without tensor cores "
-                 "80 TFLOP/s (HGX B200)")),
+                 "from XLA's b200 description (148 SMs x 128 x 1.965 GHz x 2), which states 2.22 PFLOP/s bf16, 4.45 "
+                 "fp8 and 7.67 TB/s")),
     ("h200", Gpu("NVIDIA H200 SXM", 989e12, 1979e12, 494.5e12, 67e12, 4.8 * TB, 450 * GB, 50 * GB,
                  "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 and 1,979 fp8 dense (half the sparse figures), 494 "
                  "TF32, 67 float32, 4.8 TB/s HBM3e, NVLink 900 GB/s (450 each way); DGX H200: 8 x 400 Gb/s "
@@ -298,9 +299,9 @@ class _Program:
                 users[o].append(i)
         root = next((i for i in body if i.root), None)
         in_place, written = set(), None
-        outs = [root] if root is not None and root.op != "tuple" else [self.by_name.get(o) for o in
-                                                                       operand_names(root or inst)]
-        if root is not None and all(o is not None and o.op == "dynamic-update-slice" for o in outs):
+        outs = [] if root is None else [root] if root.op != "tuple" else [self.by_name.get(o)
+                                                                         for o in operand_names(root)]
+        if outs and all(o is not None and o.op == "dynamic-update-slice" for o in outs):
             written = 0.0
             for o in outs:
                 target, update = operand_names(o)[:2]
