@@ -338,11 +338,17 @@ class _Program:
                 return None
         return total if users.get(name) else None
 
-    def custom_call(self, inst: Instruction) -> Kernel:
+    def moved(self, inst: Instruction) -> float:
+        """Bytes an unfused instruction reads and writes: its operands and its result."""
+        return _bytes(inst.shape) + sum(_bytes(self.by_name[o].shape) for o in operand_names(inst)
+                                        if o in self.by_name)
+
+    def custom_call(self, inst: Instruction, count: int) -> Kernel:
+        """A cuBLAS GEMM, cuDNN's fused attention, or another library call (costed by its bytes)."""
         target = CUSTOM_CALL.search(inst.attrs)
         target = target.group(1) if target else ""
         ops = operand_names(inst)
-        moved = _bytes(inst.shape) + sum(_bytes(self.by_name[o].shape) for o in ops)
+        moved = self.moved(inst)
         if CUBLAS.match(target):
             elements = math.prod(_dims(inst.shape))  # the first array of (result, workspace)
             contracting = _GEMM_CONTRACTING.search(inst.attrs)
@@ -351,12 +357,12 @@ class _Program:
                 if contracting else 1
             flops = 2.0 * elements * size
             peak = _peak(self.gpu, [_dtype(self.by_name[o].shape) for o in ops[:2]], inst.attrs)
-            return Kernel(inst.name, "matmul", flops, moved, max(flops / peak, moved / self.gpu.hbm), 1)
+            return Kernel(inst.name, "matmul", flops, moved, max(flops / peak, moved / self.gpu.hbm), count)
         if FMHA.match(target):
             flops = self.attention_flops(inst, target)
             return Kernel(inst.name, "attention", flops, moved,
-                          max(flops / self.gpu.bf16_flops, moved / self.gpu.hbm), 1)
-        return Kernel(inst.name, "memory", 0.0, moved, moved / self.gpu.hbm, 1)
+                          max(flops / self.gpu.bf16_flops, moved / self.gpu.hbm), count)
+        return Kernel(inst.name, "memory", 0.0, moved, moved / self.gpu.hbm, count)
 
     def attention_flops(self, inst: Instruction, target: str) -> float:
         """cuDNN fused attention's matmul FLOPs: 2 matmuls (forward) or 5 (backward) x 2 x head_dim per visible
@@ -402,18 +408,14 @@ class _Program:
                 out.append(Kernel(inst.name, "matmul" if flops else "memory", flops, moved,
                                   max(matmul_s, moved / self.gpu.hbm), count))
             elif op == "custom-call":
-                k = self.custom_call(inst)
-                out.append(Kernel(k.name, k.kind, k.flops, k.bytes, k.seconds, count))
-            elif op in ("dot", "convolution"):
+                out.append(self.custom_call(inst, count))
+            elif op == "dot":
                 flops, peak = self.dot_cost(inst)
-                moved = _bytes(inst.shape) + sum(_bytes(self.by_name[o].shape) for o in operand_names(inst))
+                moved = self.moved(inst)
                 out.append(Kernel(inst.name, "matmul", flops, moved, max(flops / peak, moved / self.gpu.hbm), count))
             else:  # copies, unfused slices and updates, sorts...: memory-bound
-                if op == "dynamic-update-slice":
-                    moved = 2 * _bytes(self.by_name[operand_names(inst)[1]].shape)
-                else:
-                    moved = _bytes(inst.shape) + sum(_bytes(self.by_name[o].shape) for o in operand_names(inst)
-                                                     if o in self.by_name)
+                moved = (2 * _bytes(self.by_name[operand_names(inst)[1]].shape) if op == "dynamic-update-slice"
+                         else self.moved(inst))  # an update in place reads and writes the update
                 out.append(Kernel(inst.name, "memory", 0.0, moved, moved / self.gpu.hbm, count))
         return out
 
