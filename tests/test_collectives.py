@@ -383,3 +383,56 @@ def test_an_all_reduce_of_zero_padded_parts_is_the_all_gather_it_runs():
     for gather in gathers:
         assert gather.raw == plain.raw == {"bf16": 8 * 4 * 2}
         assert gather.bytes_per_device == plain.bytes_per_device == 2 * 3 / 4 * 64  # run as the all-reduce it is
+
+
+GPU_LOOP = """
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %limit = s32[] constant(63)
+  ROOT %lt = pred[] compare(%p, %limit), direction=LT
+}
+
+%fused_add (q: s32[]) -> s32[] {
+  %q = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %inc = s32[] add(%q, %one)
+}
+
+%sum (l: f32[], r: f32[]) -> f32[] {
+  %l = f32[] parameter(0)
+  %r = f32[] parameter(1)
+  ROOT %s = f32[] add(%l, %r)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %cmp = pred[] fusion(%ci), kind=kLoop, calls=%fused_compare
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %bi = s32[] get-tuple-element(%b), index=0
+  %bx = f32[8]{0} get-tuple-element(%b), index=1
+  %next = s32[] fusion(%bi), kind=kLoop, calls=%fused_add
+  %ar = f32[8]{0} all-reduce(%bx), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  ROOT %out = (s32[], f32[8]{0}) tuple(%next, %ar)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8]{0}) tuple(%start, %x)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %y = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_trip_count_read_through_a_compare_fused_with_its_limit():
+    """XLA:GPU states no trip count for the gradient-accumulation loop it peels, and fuses the condition's limit
+    constant into the compare (loop_compare_fusion): the count is read from that fusion (0 to 63 by 1)."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]), ("fsdp",))
+    reduce = only(account(GPU_LOOP, mesh), "all-reduce")
+    assert (reduce.count, reduce.exact) == (63, "exact")

@@ -76,7 +76,8 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[
                           r" \{([^}]*)\}")
 _MAXIMAL = re.compile(r"replica_groups=maximal_mesh\[")
 _PAIRS = re.compile(r"source_target_pairs=(\{(?:\{\d+,\d+\},?)*\})")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+"""One array in a shape's text: its element type and its dimensions (`bf16[4,8192]`)."""
 
 
 class HloParseError(ValueError):
@@ -227,7 +228,10 @@ def _weaker(a: str, b: str) -> str:
 
 
 @dataclass
-class _Inst:
+class Instruction:
+    """One instruction of a program's text: its name, opcode, result shape, operand and attribute text, and whether
+    it is its computation's root (what olmo3eqx.gpu_estimate reads too)."""
+
     name: str
     op: str
     shape: str
@@ -249,11 +253,13 @@ def _split_call(rest: str) -> tuple[str, str]:
     raise HloParseError(f"unbalanced operand list: {rest[:120]!r}")
 
 
-def _parse(text: str) -> tuple[dict[str, list[_Inst]], dict[str, _Inst], str]:
-    computations: dict[str, list[_Inst]] = {}
-    by_name: dict[str, _Inst] = {}
+def parse_program(text: str) -> tuple[dict[str, list[Instruction]], dict[str, Instruction], str]:
+    """(instructions by computation, every instruction by its name, the ENTRY computation's name) of a program's text
+    (compiled.as_text(): instruction names are unique across the module)."""
+    computations: dict[str, list[Instruction]] = {}
+    by_name: dict[str, Instruction] = {}
     entry = None
-    current: list[_Inst] | None = None
+    current: list[Instruction] | None = None
     for line in text.splitlines():
         if not line or line[0] not in " \t":
             header = _HEADER.match(line)
@@ -267,7 +273,7 @@ def _parse(text: str) -> tuple[dict[str, list[_Inst]], dict[str, _Inst], str]:
             continue
         root, name, shape, op, rest = found.groups()
         args, attrs = _split_call(rest)
-        inst = _Inst(name, op, shape, args, attrs, root is not None)
+        inst = Instruction(name, op, shape, args, attrs, root is not None)
         current.append(inst)
         by_name[name] = inst
     if entry is None:
@@ -275,11 +281,13 @@ def _parse(text: str) -> tuple[dict[str, list[_Inst]], dict[str, _Inst], str]:
     return computations, by_name, entry
 
 
-def _operands(inst: _Inst) -> list[str]:
+def operand_names(inst: Instruction) -> list[str]:
+    """Names of the instructions `inst` takes as operands."""
     return re.findall(r"%([\w.\-]+)", inst.args)
 
 
-def _called(inst: _Inst) -> list[tuple[str, str]]:
+def called_computations(inst: Instruction) -> list[tuple[str, str]]:
+    """(role, computation) pairs `inst` calls: calls, body, condition, to_apply, a conditional's branches."""
     out = _CALLED.findall(inst.attrs)
     for group in _BRANCHES.findall(inst.attrs):
         out += [("branch", name.strip().lstrip("%")) for name in group.split(",") if name.strip()]
@@ -288,7 +296,7 @@ def _called(inst: _Inst) -> list[tuple[str, str]]:
 
 # ---- shapes ----------------------------------------------------------------------------------------------------
 
-def _shape_tree(shape: str):
+def shape_tree(shape: str):
     """'(f32[2]{0}, (bf16[3,4], s32[]))' -> nested lists of (dtype, elements)."""
     text = re.sub(r"/\*.*?\*/", "", shape)
     text = re.sub(r"\{[^{}]*\}", "", text)
@@ -308,7 +316,7 @@ def _shape_tree(shape: str):
                     pos += 1
                     return items
                 items.append(parse())
-        found = _ARRAY.match(text, pos)
+        found = ARRAY.match(text, pos)
         if found is None:
             if text.startswith("token[]", pos) or text.startswith("token", pos):
                 pos += len("token")
@@ -329,7 +337,8 @@ def _dtype_bytes(dtype: str) -> float:
     return float(DTYPE_BYTES[dtype])
 
 
-def _bytes_by_dtype(tree) -> dict[str, float]:
+def bytes_by_dtype(tree) -> dict[str, float]:
+    """Bytes by element type of a shape_tree (tokens count none)."""
     out: dict[str, float] = defaultdict(float)
 
     def walk(t):
@@ -345,7 +354,7 @@ def _bytes_by_dtype(tree) -> dict[str, float]:
 
 def _result(kind: str, start: bool, shape: str):
     """The shape of the collective's result: an async start's tuple holds (operands, results[, contexts])."""
-    tree = _shape_tree(shape)
+    tree = shape_tree(shape)
     if start and kind != "all-reduce":
         if not isinstance(tree, list) or len(tree) < 2:
             raise HloParseError(f"unexpected {kind}-start shape {shape!r}")
@@ -429,15 +438,15 @@ def _groups(attrs: str, partitions: int) -> list[np.ndarray]:
 
 # ---- trip counts -----------------------------------------------------------------------------------------------
 
-def _through_copies(name: str, by_name: dict[str, _Inst]) -> _Inst | None:
+def _through_copies(name: str, by_name: dict[str, Instruction]) -> Instruction | None:
     inst = by_name.get(name)
     while inst is not None and inst.op in ("copy", "bitcast", "convert", "reshape"):
-        ops = _operands(inst)
+        ops = operand_names(inst)
         inst = by_name.get(ops[0]) if ops else None
     return inst
 
 
-def _constant(inst: _Inst | None) -> int | None:
+def _constant(inst: Instruction | None) -> int | None:
     if inst is None or inst.op != "constant":
         return None
     try:
@@ -446,38 +455,38 @@ def _constant(inst: _Inst | None) -> int | None:
         return None
 
 
-def _tuple_index(inst: _Inst | None) -> int | None:
+def _tuple_index(inst: Instruction | None) -> int | None:
     if inst is None or inst.op != "get-tuple-element":
         return None
     found = re.search(r"index=(\d+)", inst.attrs)
     return int(found.group(1)) if found else None
 
 
-def _unwrapped(inst: _Inst | None, computations, by_name) -> tuple[str, str, list[_Inst | None]] | None:
-    """(opcode, attributes, operands) of `inst`, looking through a fusion that wraps one op of its parameters
-    (XLA:CPU wraps a loop's compare and increment so)."""
+def _unwrapped(inst: Instruction | None, computations, by_name) -> tuple[str, str, list[Instruction | None]] | None:
+    """(opcode, attributes, operands) of `inst`, looking through a fusion that wraps one op of its parameters and
+    constants (XLA:CPU wraps a loop's compare and increment so; XLA:GPU fuses the limit's constant in too)."""
     if inst is None:
         return None
-    operands = [_through_copies(o, by_name) for o in _operands(inst)]
+    operands = [_through_copies(o, by_name) for o in operand_names(inst)]
     if inst.op != "fusion":
         return inst.op, inst.attrs, operands
-    called = dict(_called(inst)).get("calls")
+    called = dict(called_computations(inst)).get("calls")
     root = next((i for i in computations.get(called, ()) if i.root), None)
     if root is None:
         return None
-    inner = [by_name.get(o) for o in _operands(root)]
-    if not all(i is not None and i.op == "parameter" for i in inner):
+    inner = [by_name.get(o) for o in operand_names(root)]
+    if not all(i is not None and i.op in ("parameter", "constant") for i in inner):
         return None
-    return root.op, root.attrs, [operands[int(i.args.strip())] for i in inner]
+    return root.op, root.attrs, [operands[int(i.args.strip())] if i.op == "parameter" else i for i in inner]
 
 
-def _trip_count(inst: _Inst, computations, by_name) -> int | None:
+def trip_count(inst: Instruction, computations, by_name) -> int | None:
     """A while loop's trip count: the compiler's known_trip_count, else `i < N` (or <=, >, >=, !=) in its condition
     with the induction variable's constant start (the while's operand tuple) and step (its body's root tuple)."""
     found = _TRIP.search(inst.attrs)
     if found:
         return int(found.group(1))
-    called = dict(_called(inst))
+    called = dict(called_computations(inst))
     condition, body = computations.get(called.get("condition"), []), computations.get(called.get("body"), [])
     compare = _unwrapped(next((i for i in condition if i.root), None), computations, by_name)
     if compare is None or compare[0] != "compare":
@@ -492,14 +501,14 @@ def _trip_count(inst: _Inst, computations, by_name) -> int | None:
     index, limit = _tuple_index(ops[0]), _constant(ops[1])
     if index is None or limit is None:
         return None
-    init_tuple = by_name.get(_operands(inst)[0]) if _operands(inst) else None
-    if init_tuple is None or init_tuple.op != "tuple" or index >= len(_operands(init_tuple)):
+    init_tuple = by_name.get(operand_names(inst)[0]) if operand_names(inst) else None
+    if init_tuple is None or init_tuple.op != "tuple" or index >= len(operand_names(init_tuple)):
         return None
-    start = _constant(_through_copies(_operands(init_tuple)[index], by_name))
+    start = _constant(_through_copies(operand_names(init_tuple)[index], by_name))
     body_root = next((i for i in body if i.root), None)
     if start is None or body_root is None or body_root.op != "tuple":
         return None
-    update = _unwrapped(_through_copies(_operands(body_root)[index], by_name), computations, by_name)
+    update = _unwrapped(_through_copies(operand_names(body_root)[index], by_name), computations, by_name)
     if update is None or update[0] not in ("add", "subtract"):
         return None
     terms = update[2]
@@ -523,7 +532,7 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
     """Every collective of the compiled program `hlo_text` (post-partitioning HLO: `compiled.as_text()`) over `mesh`
     (a jax Mesh: its axis names and the shape of its devices are read); `granules`: each device's node or slice id,
     shaped like mesh.devices (None: one granule). Conventions in the module doc."""
-    computations, by_name, entry = _parse(hlo_text)
+    computations, by_name, entry = parse_program(hlo_text)
     shape = tuple(mesh.devices.shape)
     axis_names = tuple(mesh.axis_names)
     partitions = math.prod(shape)
@@ -532,10 +541,10 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
         raise ValueError(f"granules has {granule.size} entries for a mesh of {partitions} devices; shape it like "
                          f"mesh.devices.")
     has_work = _has_collectives(computations)
-    users: dict[str, list[_Inst]] = defaultdict(list)
+    users: dict[str, list[Instruction]] = defaultdict(list)
     for insts in computations.values():
         for inst in insts:
-            for operand in _operands(inst):
+            for operand in operand_names(inst):
                 users[operand].append(inst)
     roots = {name: next((i for i in insts if i.root), None) for name, insts in computations.items()}
     found: list[Collective] = []
@@ -546,7 +555,7 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
     def visit(name: str, count: int, exact: str):
         for inst in computations.get(name, ()):
             if _dcn_send(inst):
-                raw = _bytes_by_dtype(_shape_tree(inst.shape)[0])
+                raw = bytes_by_dtype(shape_tree(inst.shape)[0])
                 found.append(Collective(DCN_KIND, inst.name, name, raw, 2, granule_axes, True, count, exact))
                 continue
             kind = _OPCODE.match(inst.op)
@@ -558,11 +567,11 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
                 continue
             if inst.op.endswith("-done") or inst.op == "async-update":
                 continue
-            for role, called in _called(inst):
+            for role, called in called_computations(inst):
                 if called not in has_work or role == "condition" or (role == "to_apply" and inst.op != "call"):
                     continue
                 if inst.op == "while":
-                    trips = _trip_count(inst, computations, by_name)
+                    trips = trip_count(inst, computations, by_name)
                     visit(called, count * (trips if trips is not None else 1),
                           exact if trips is not None else "unknown")
                 elif role in ("branch", "true_computation", "false_computation"):
@@ -574,9 +583,9 @@ def account(hlo_text: str, mesh, granules: np.ndarray | None = None) -> Traffic:
     return Traffic(tuple(found), granules=len(np.unique(granule)))
 
 
-def _has_collectives(computations: dict[str, list[_Inst]]) -> set[str]:
+def _has_collectives(computations: dict[str, list[Instruction]]) -> set[str]:
     """Names of the computations that hold a collective or call one that does."""
-    calls = {name: {c for inst in insts for _, c in _called(inst)} for name, insts in computations.items()}
+    calls = {name: {c for inst in insts for _, c in called_computations(inst)} for name, insts in computations.items()}
     work = {name for name, insts in computations.items() if any(_OPCODE.match(i.op) or _dcn_send(i) for i in insts)}
     changed = True
     while changed:
@@ -586,12 +595,12 @@ def _has_collectives(computations: dict[str, list[_Inst]]) -> set[str]:
     return work
 
 
-def _dcn_send(inst: _Inst) -> bool:
+def _dcn_send(inst: Instruction) -> bool:
     """A multislice program's send to the Megascale runtime (module doc)."""
     return inst.op == "send" and _MEGASCALE.search(inst.attrs) is not None
 
 
-def _tpu_async_copy(inst: _Inst, root: _Inst | None) -> bool:
+def _tpu_async_copy(inst: Instruction, root: Instruction | None) -> bool:
     """XLA:TPU's async collective fusion runs one collective as a start fusion, continuation fusions and a done
     fusion, each holding a copy of it: the copies outside the start say where they sit
     (async_collective_fusion_config flag_start other than -1), and the done's computation ends in the custom call
@@ -603,24 +612,24 @@ def _tpu_async_copy(inst: _Inst, root: _Inst | None) -> bool:
     return target is not None and target.group(1) == "AsyncCollectiveDone"
 
 
-def _scattered(inst: _Inst, root: _Inst | None) -> bool:
+def _scattered(inst: Instruction, root: Instruction | None) -> bool:
     """XLA:TPU prints a reduce-scatter as a fusion (all-reduce-scatter) whose root slices this device's part out of
     an all-reduce; it runs as a reduce-scatter."""
     return (inst.op == "all-reduce" and root is not None and root.op == "dynamic-slice"
-            and _operands(root)[:1] == [inst.name])
+            and operand_names(root)[:1] == [inst.name])
 
 
-def _gathering(inst: _Inst, computations, by_name: dict[str, _Inst], roots) -> bool:
+def _gathering(inst: Instruction, computations, by_name: dict[str, Instruction], roots) -> bool:
     """XLA:TPU runs some all-gathers as an all-reduce of zero-padded buffers: each device writes its part into zeros
     (a dynamic-update-slice into a broadcast constant, possibly fused) and the sum is the gathered array. Such an
     all-reduce counts as the all-gather it is, with the all-reduce's bytes (what it runs as)."""
     if inst.op != "all-reduce":
         return False
-    operands = _operands(inst)
+    operands = operand_names(inst)
     return bool(operands) and all(_zero_padded(name, computations, by_name, roots, 0) for name in operands)
 
 
-def _zero_padded(name: str, computations, by_name: dict[str, _Inst], roots, depth: int,
+def _zero_padded(name: str, computations, by_name: dict[str, Instruction], roots, depth: int,
                  caller: list[str] | None = None) -> bool:
     """Whether `name` is a buffer of zeros with a part written in (a dynamic-update-slice into a broadcast), seen
     through copies, bitcasts and fusions (a fused computation's parameter k being its caller's operand k)."""
@@ -628,17 +637,17 @@ def _zero_padded(name: str, computations, by_name: dict[str, _Inst], roots, dept
     if inst is None or depth > 8:
         return False
     if inst.op == "dynamic-update-slice":
-        return _is_broadcast(_operands(inst)[0], by_name, caller)
+        return _is_broadcast(operand_names(inst)[0], by_name, caller)
     if inst.op in ("copy", "bitcast"):
-        return _zero_padded(_operands(inst)[0], computations, by_name, roots, depth + 1, caller)
+        return _zero_padded(operand_names(inst)[0], computations, by_name, roots, depth + 1, caller)
     if inst.op == "fusion":
-        called = [c for role, c in _called(inst) if role == "calls"]
+        called = [c for role, c in called_computations(inst) if role == "calls"]
         root = roots.get(called[0]) if called else None
-        return root is not None and _zero_padded(root.name, computations, by_name, roots, depth + 1, _operands(inst))
+        return root is not None and _zero_padded(root.name, computations, by_name, roots, depth + 1, operand_names(inst))
     return False
 
 
-def _is_broadcast(name: str, by_name: dict[str, _Inst], caller: list[str] | None) -> bool:
+def _is_broadcast(name: str, by_name: dict[str, Instruction], caller: list[str] | None) -> bool:
     base = by_name.get(name)
     while base is not None and base.op in ("copy", "bitcast", "parameter"):
         if base.op == "parameter":
@@ -647,11 +656,11 @@ def _is_broadcast(name: str, by_name: dict[str, _Inst], caller: list[str] | None
                 return False
             base, caller = by_name.get(caller[index[0]]), None
         else:
-            base = by_name.get(_operands(base)[0])
+            base = by_name.get(operand_names(base)[0])
     return base is not None and base.op == "broadcast"
 
 
-def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
+def _sliced(inst: Instruction, users: dict[str, list[Instruction]]) -> bool:
     """An all-reduce each device then slices its own part out of (every user a dynamic-slice, through the
     get-tuple-elements of a combined one): the program as partitioned, before XLA:GPU's reduce-scatter creator (and
     XLA:TPU's all-reduce-scatter fusion) turns it into the reduce-scatter it runs as."""
@@ -663,10 +672,10 @@ def _sliced(inst: _Inst, users: dict[str, list[_Inst]]) -> bool:
     return bool(ends) and all(u.op == "dynamic-slice" for u in ends)
 
 
-def _collective(inst: _Inst, kind: str, start: bool, computation: str, count: int, exact: str, scattered: bool,
+def _collective(inst: Instruction, kind: str, start: bool, computation: str, count: int, exact: str, scattered: bool,
                 shape: tuple[int, ...], axis_names: tuple[str, ...], granule: np.ndarray,
                 gathering: bool = False) -> Collective:
-    raw = _bytes_by_dtype(_result(kind, start, inst.shape))
+    raw = bytes_by_dtype(_result(kind, start, inst.shape))
     partitions = granule.size
     if kind == "collective-permute":
         pairs = np.asarray(_ints(_PAIRS.search(inst.attrs).group(1)) if _PAIRS.search(inst.attrs) else [],
@@ -697,7 +706,7 @@ def _collective(inst: _Inst, kind: str, start: bool, computation: str, count: in
     return Collective(kind, inst.name, computation, raw, n, axes, across, count, exact)
 
 
-def _check_ids(ids: np.ndarray, partitions: int, inst: _Inst) -> None:
+def _check_ids(ids: np.ndarray, partitions: int, inst: Instruction) -> None:
     if ids.size and int(ids.max()) >= partitions:
         raise ValueError(f"{inst.name} names device {int(ids.max())} but the mesh has {partitions} devices: pass the "
                          f"mesh the program was compiled for.")
