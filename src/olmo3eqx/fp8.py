@@ -10,7 +10,7 @@ q/k/v/o and MLP projections (model.Linear, marked by model.with_fp8). Stages 1 a
 Each of a linear's three GEMMs (output x w, grad input g w^T, grad weight x^T g) takes its operands cast to FP8 by
 torchao's dynamic rule (torchao/float8/float8_utils.py): amax = max |a| over the scaling group, scale = fp8_max /
 max(amax, 1e-12) in float32, rounded down to a power of 2, a_fp8 = convert(clamp(a * scale, -fp8_max, fp8_max)); the
-product is divided by both scales, accumulated in float32.
+product is divided by both scales (cuBLASLt accumulates in float32).
 - tensorwise: one scale per tensor; e4m3 for inputs and weights, e5m2 for gradients (AI2's stage 3).
 - rowwise (torchao's "rowwise" recipe): one scale per row of each operand along the GEMM's contracting dimension
   (x per token in the output GEMM, per feature in the grad-weight GEMM); e4m3 everywhere; power-of-2 scales.
