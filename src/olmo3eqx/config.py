@@ -27,6 +27,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minimal_with_context",
                       "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp",
                       "save_qkv_proj", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded"]
+Fp8Recipe = Literal["none", "tensorwise", "rowwise"]
 AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
 
 
@@ -140,6 +141,13 @@ class ModelConfig:
     """Master weights."""
     compute_dtype: Dtype = "bfloat16"
     """Matmuls and activations; norms, RoPE, softmax statistics and the loss stay float32."""
+    fp8: Fp8Recipe = "none"
+    """FP8 projections (olmo3eqx.fp8), named as torchao's float8 recipes that OLMo-core's Float8Config applies: none
+    (matmuls in compute_dtype), tensorwise (one dynamic scale per tensor, e4m3 inputs and weights, e5m2 gradients;
+    scales rounded to powers of 2: what AI2's stage 3 ran, AOFloat8LinearConfig.recommended()), rowwise (a scale per
+    row along each GEMM's contracting dimension, e4m3 everywhere). The q/k/v/o and MLP projections of every block
+    run their forward and both backward GEMMs in FP8; the LM head and the embedding stay in compute_dtype (as
+    OLMo-core leaves them), and so does a projection with a dimension that is not a multiple of 16."""
     remat: RematPolicy = "dots"
     """Per-block rematerialisation: none (save every intermediate), full (save only the block input), dots (save
     matmul outputs, recompute the elementwise work between them), dots_no_batch (also recompute attention's

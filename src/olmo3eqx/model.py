@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from olmo3eqx import precision
+from olmo3eqx import fp8, precision
 from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
 from olmo3eqx.context import context_ranks, layout_positions, split_rows
@@ -67,8 +67,13 @@ def remat_policy(name: str):
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED_NAMES[name]),
             offload_src="device", offload_dst="pinned_host")
-    return {"full": jax.checkpoint_policies.nothing_saveable, "dots": jax.checkpoint_policies.dots_saveable,
-            "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+    policies = jax.checkpoint_policies
+    if name in ("dots", "dots_no_batch"):
+        # An FP8 projection's dot sits inside its custom VJP, out of these policies' sight: saved by its name instead
+        # (otherwise every FP8 forward GEMM runs again in the backward pass).
+        dots = policies.dots_saveable if name == "dots" else policies.dots_with_no_batch_dims_saveable
+        return policies.save_from_both_policies(dots, policies.save_only_these_names(fp8.OUTPUT_NAME))
+    return {"full": policies.nothing_saveable}[name]
 
 
 def trunc_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float, dtype) -> Array:
@@ -81,6 +86,8 @@ class Linear(eqx.Module):
     gather_spec: jax.sharding.PartitionSpec | None = eqx.field(static=True, default=None)
     """None: `weight` is used as it is (already in the compute dtype). A spec: `weight` is a float32 master sharded as
     the spec, gathered in the activations' dtype when called (precision.dense; set by for_compute)."""
+    fp8: str = eqx.field(static=True, default="none")
+    """model.fp8's recipe for this projection's GEMMs (olmo3eqx.fp8; set by with_fp8), "none": the compute dtype."""
 
     @staticmethod
     def init(din: int, dout: int, cfg: ModelConfig, *, key: PRNGKeyArray) -> Linear:
@@ -92,7 +99,10 @@ class Linear(eqx.Module):
         split = context_ranks() > 1 and x.ndim == 3  # [rows, seq, din] with the sequence over context
         if split:
             x2 = split_rows(x2, precision.row_axes())
-        y = x2 @ self.weight if self.gather_spec is None else precision.dense(x2, self.weight, self.gather_spec)
+        if self.gather_spec is not None:
+            y = precision.dense(x2, self.weight, self.gather_spec, self.fp8)
+        else:
+            y = x2 @ self.weight if self.fp8 == "none" else fp8.matmul(x2, self.weight, self.fp8)
         if split:
             y = split_rows(y, precision.row_axes())
         return y.reshape(*x.shape[:-1], self.weight.shape[1])
@@ -346,6 +356,21 @@ def for_compute(tree, dtype, *, path: tuple[str, ...] = (), layer: bool = False)
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda n: isinstance(n, Linear))
 
 
+def with_fp8(tree, recipe: str):
+    """`tree` with every Linear whose weight dimensions are multiples of fp8.MULTIPLE marked to run its GEMMs in FP8
+    by `recipe` (model.fp8), as OLMo-core's Float8Config converts the linears it can; "none" leaves `tree` as it is.
+    Applied to the blocks only: the LM head is unembedded by the loss (OLMo-core ignores it too)."""
+    if recipe == "none":
+        return tree
+
+    def mark(node):
+        if isinstance(node, Linear) and all(d % fp8.MULTIPLE == 0 for d in node.weight.shape):
+            return Linear(node.weight, node.gather_spec, recipe)
+        return node
+
+    return jax.tree.map(mark, tree, is_leaf=lambda n: isinstance(n, Linear))
+
+
 class OLMo3(eqx.Module):
     """The whole model. `blocks` leaves carry a leading layer axis of size num_hidden_layers."""
 
@@ -435,7 +460,7 @@ def layer_group(cfg: ModelConfig, kinds: tuple[str, ...], tables: dict, segment_
         def f(blk: Block, h: Array, table: RopeTable, seg: Array | None, s: bool = kind == SLIDING) -> Array:
             # The layer's weights gathered in the compute dtype (a no-op when OLMo3.hidden has cast them): inside the
             # remat, so a checkpointed layer gathers them again for its backward pass instead of keeping them.
-            blk = for_compute(blk, dtype, path=("blocks",), layer=True)
+            blk = with_fp8(for_compute(blk, dtype, path=("blocks",), layer=True), cfg.fp8)
             return blk(h, cfg, s, table, seg)
         if cfg.remat != "none":
             f = jax.checkpoint(f, policy=remat_policy(cfg.remat))

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from olmo3eqx import fp8
 from olmo3eqx.specs import CONTEXT, context_size
 
 _GATHER: contextvars.ContextVar[str] = contextvars.ContextVar("gather_dtype", default="compute")
@@ -150,12 +151,17 @@ def weight_gradient_path(forward_shape: tuple[int, ...], dtype, inputs: Array, w
     return path(inputs, w)
 
 
-def dense(x: Float[Array, "n din"], w: Float[Array, "din dout"], spec: P) -> Float[Array, "n dout"]:
+def dense(x: Float[Array, "n din"], w: Float[Array, "din dout"], spec: P, fp8_recipe: str = "none"
+          ) -> Float[Array, "n dout"]:
     """x @ w in x's dtype, w (a float32 master weight sharded as `spec`) gathered in x's dtype; w's gradient x^T g
-    accumulated and reduced in float32."""
-    y = x @ jax.lax.stop_gradient(gathered(w, x.dtype, spec))
+    accumulated and reduced in float32. `fp8_recipe` (model.fp8) other than "none": the three GEMMs in FP8
+    (olmo3eqx.fp8), the gathered weight cast after the gather."""
+    w_compute = jax.lax.stop_gradient(gathered(w, x.dtype, spec))
+    y = x @ w_compute if fp8_recipe == "none" else fp8.matmul(x, w_compute, fp8_recipe)
 
     def gradient(inputs, cotangent):
+        if fp8_recipe != "none":
+            return fp8.grad_weight(inputs, cotangent, fp8_recipe, jnp.float32)
         return jax.lax.dot_general(inputs, cotangent, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
     return y + weight_gradient_path(y.shape, y.dtype, x, w, spec, gradient)
