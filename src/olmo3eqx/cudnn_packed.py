@@ -22,7 +22,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 SPLIT_SEQUENCES = ("cuDNN's fused attention, as jax 0.10.2 calls it, aligns its causal mask and sliding window "
                    "top-left in each query/key segment pair and takes no query offset, so the queries of a chunk that "
-                   "continues a document begun on an earlier context rank cannot be masked")
+                   "continues a document begun on an earlier context rank cannot be masked (the opt-in "
+                   "--model.attention-impl cudnn-cp-compiled-only cuts the chunks where top-left is exact: compiled, "
+                   "not yet run on a GPU)")
 """Why the "cudnn" backend runs as flash on sequences split over the context axis (attention.split_backend). The
 packed layout does take separate query and key runs (q_offsets/kv_offsets, q_seqlen/kv_seqlen), but the mask is
 chosen only by MaskType (CAUSAL, PADDING_CAUSAL: no alignment, no offset) and jax's own reference for it is
