@@ -8,6 +8,9 @@ i - W + 1 <= j <= i (W keys including itself, as `transformers`' `sliding_window
   mask over them.
 - "cudnn": the same call with cuDNN's fused flash attention (GPU only, bf16/fp16; the window is passed to the
   kernel); with documents, cuDNN's packed layout (olmo3eqx.cudnn_packed).
+- "cudnn-cp-compiled-only": "cudnn", and with the sequence split over mesh.context cuDNN's kernels for chunks that
+  continue a document from an earlier rank (olmo3eqx.cudnn_context); compiled by XLA:GPU, not yet run on a GPU (on
+  CPU its parts run in XLA's math: tests), so opt-in: "auto" and "cudnn" split sequences run flash.
 - "blocked": window-aware blocks in plain einsums (XLA differentiates them). Queries go in blocks of C positions.
   A sliding layer's block sees only the key blocks that can reach it, T x (W + C) scores instead of T x T;
   a global layer's query block i sees key blocks 0..i, so the masked upper triangle is mostly never computed.
@@ -56,7 +59,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from olmo3eqx import cudnn_packed
+from olmo3eqx import cudnn_context, cudnn_packed
 from olmo3eqx.config import SLIDING, SPLASH_LANES, AttentionImpl
 from olmo3eqx.context import (context_chunks, context_ranks, keys_for_rank, masked_attention, reach, split_attention,
                                stack_slots, unstack_slots)
@@ -64,6 +67,8 @@ from olmo3eqx.specs import CONTEXT
 from olmo3eqx.flash import MASKED, BLOCK_PAD_SEGMENT, flash_attention, pallas_gpu_attention
 
 IMPLEMENTATIONS = typing.get_args(AttentionImpl)
+CUDNN_CP = "cudnn-cp-compiled-only"
+"""The backend value that runs cuDNN on split sequences too (olmo3eqx.cudnn_context): compiled, never yet run."""
 GLOBAL_BLOCKS = 4
 """Query blocks of a global layer: block i attends to key blocks 0..i, so (n+1)/2n = 5/8 of T x T is computed."""
 SPLASH_BLOCKS = (("tpu7", 2048),)
@@ -145,6 +150,8 @@ def attention(
                                  segment_ids=segment_ids)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
+    if backend == CUDNN_CP:
+        backend = "cudnn"  # whole sequences: the cudnn backend as it has run
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
     if backend == "pallas" and window is None and _PLANNED.get() is None:
@@ -208,8 +215,9 @@ def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int
                       segment_ids):
     """`attention` with the sequence split over the mesh's context axis (olmo3eqx.context): each rank's queries
     against the keys they can see (all, or a sliding window's neighbour chunks), at explicit positions. "xla" masks
-    them so, flash takes the queries' offset, splash splits its kernel's mask with the queries; the other backends
-    run as flash (split_backend, said once)."""
+    them so, flash takes the queries' offset, splash splits its kernel's mask with the queries, cudnn-cp-compiled-only
+    cuts each chunk into parts cuDNN's top-left masks compute exactly (cudnn_context; flash for a batch of more
+    document runs than its packed layout is built for); the other backends run as flash (split_backend, said once)."""
     seq = q.shape[-3]
     if window is not None and window >= seq:
         window = None
@@ -217,8 +225,19 @@ def context_attention(q, k, v, *, window: int | None, backend: str, block_q: int
     backend = say_split_backend(backend, context_ranks())
     if backend == "splash":
         return splash_context(q, k, v, window=window, block_q=block_q, block_kv=block_kv, segment_ids=segment_ids)
+    if backend == CUDNN_CP and _PLANNED.get() is not None:
+        backend = "flash"  # the CPU compiler cannot build cuDNN's kernel: planned with flash, as "cudnn" is
+    executor = cudnn_context.Executor("cudnn" if target_device()[0] == "gpu" else "xla")
 
     def local(q, k, v, q_seg, kv_seg, offset):
+        if backend == CUDNN_CP:
+            cudnn = lambda *a: cudnn_context.chunk_attention(executor, *a, window)  # noqa: E731
+            if q_seg is None:
+                return cudnn(q, k, v, q_seg, kv_seg, offset)
+            flash = lambda q, k, v, q_seg, kv_seg, offset: flash_attention(  # noqa: E731 - rows of too many runs
+                q, k, v, window=window, segment_ids=q_seg, block_q=block_q, block_kv=block_kv, q_offset=offset,
+                kv_segment_ids=kv_seg)
+            return jax.lax.cond(cudnn_context.fits(q_seg), cudnn, flash, q, k, v, q_seg, kv_seg, offset)
         if backend == "xla":
             q_pos = offset + jnp.arange(q.shape[1], dtype=jnp.int32)
             return masked_attention(q, k, v, q_pos, jnp.arange(k.shape[1], dtype=jnp.int32), window, q_seg, kv_seg)

@@ -28,7 +28,7 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "minimal", "minim
                       "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp",
                       "save_qkv_proj", "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded"]
 Fp8Recipe = Literal["none", "tensorwise", "rowwise"]
-AttentionImpl = Literal["auto", "xla", "cudnn", "blocked", "flash", "pallas", "splash"]
+AttentionImpl = Literal["auto", "xla", "cudnn", "cudnn-cp-compiled-only", "blocked", "flash", "pallas", "splash"]
 
 
 def check_choices(cfg: Any, section: str) -> None:
@@ -168,7 +168,10 @@ class ModelConfig:
     more than twice with remat none (model.MAX_UNROLLED_GROUPS); False unrolls every layer."""
     attention_impl: AttentionImpl = "auto"
     """Attention backend (olmo3eqx.attention): xla (jax.nn.dot_product_attention, full [T, T] scores), cudnn
-    (cuDNN's fused flash attention, GPU only, bf16/fp16; packed documents through its packed layout), blocked
+    (cuDNN's fused flash attention, GPU only, bf16/fp16; packed documents through its packed layout; with
+    mesh.context > 1 it runs as flash), cudnn-cp-compiled-only (cudnn, and with mesh.context > 1 cuDNN too, for
+    chunks that continue a document from an earlier rank: compiled by XLA:GPU to cuDNN's kernels but NOT YET RUN ON
+    A GPU, so opt-in; docs/tpu-gpu.md#context-parallelism), blocked
     (window-aware blocks: sliding layers compute only the band; refused on a device its scores cannot fit), flash
     (the flash-attention algorithm in JAX: memory linear in the sequence, masked blocks skipped; any platform),
     pallas (JAX's Pallas GPU flash kernel for global layers, flash for sliding ones; interpreted on CPU), splash

@@ -14,13 +14,17 @@ runs takes the "flash" backend instead, decided on the device (`lax.cond`), so e
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 SPLIT_SEQUENCES = ("cuDNN's fused attention, as jax 0.10.2 calls it, aligns its causal mask and sliding window "
                    "top-left in each query/key segment pair and takes no query offset, so the queries of a chunk that "
-                   "continues a document begun on an earlier context rank cannot be masked")
+                   "continues a document begun on an earlier context rank cannot be masked (the opt-in "
+                   "--model.attention-impl cudnn-cp-compiled-only cuts the chunks where top-left is exact: compiled, "
+                   "not yet run on a GPU)")
 """Why the "cudnn" backend runs as flash on sequences split over the context axis (attention.split_backend). The
 packed layout does take separate query and key runs (q_offsets/kv_offsets, q_seqlen/kv_seqlen), but the mask is
 chosen only by MaskType (CAUSAL, PADDING_CAUSAL: no alignment, no offset) and jax's own reference for it is
@@ -35,6 +39,24 @@ the backward pass's float32 workspace for rows x MAX_RUNS full-length sequences 
 bytes: 4.3 GB for the 1B's 4 x 8192 at 16; 256 asked 256 GiB for the 7B's 65,536), and its time grows with it too
 (bench/gpu_attention.py on an H200, the 1B's layer with 8 documents a row: 3.2 ms at 16, 5.7 at 64, 14.0 at 256;
 7.5 ms without documents)."""
+
+
+@contextlib.contextmanager
+def compute_capability_of(device):
+    """Trace jax's cuDNN calls for GPU `device` (a compile-only topology's: no GPU here). jax checks the packed layout
+    and head widths over 128 against the default backend's first GPU (`check_compute_capability`), which a host
+    without one fails ("Packed layout requires a GPU with at least Hopper architecture"); inside, it checks
+    `device.compute_capability` instead."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    have = tuple(int(x) for x in device.compute_capability.split("."))
+    checks = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
+    fa.check_compute_capability = lambda c: have >= tuple(int(x) for x in c.split("."))
+    fa.is_cuda_compute_capability_equal = lambda c: have == tuple(int(x) for x in c.split("."))
+    try:
+        yield
+    finally:
+        fa.check_compute_capability, fa.is_cuda_compute_capability_equal = checks
 
 
 def document_runs(segment_ids: Int[Array, "batch seq"], max_runs: int

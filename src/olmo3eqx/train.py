@@ -215,7 +215,7 @@ def attention_backend(cfg, layout, gpu=None) -> str:
     import jax
     import jax.numpy as jnp
 
-    from olmo3eqx.attention import planning_for, resolve, splash_blocks, split_backend
+    from olmo3eqx.attention import CUDNN_CP, planning_for, resolve, splash_blocks, split_backend
     from olmo3eqx.flash import blocks_for
     from olmo3eqx.model import DTYPE
 
@@ -232,6 +232,10 @@ def attention_backend(cfg, layout, gpu=None) -> str:
         if backend == "flash":
             _, bq, bkv = blocks_for(seq, m.attention_block_q, m.attention_block_kv)
             return f"flash, blocks {bq} x {bkv}{masked}"
+        if backend == CUDNN_CP and cfg.mesh.context > 1:
+            planned = ", planned here with flash's memory" if gpu is not None else ""
+            return (f"{CUDNN_CP} (cuDNN on chunks that continue a document; compiled, not yet run on a GPU"
+                    f"{planned}){masked}")
         if backend == "cudnn" and gpu is not None:
             return "cudnn (planned here with flash's memory: the CPU compiler cannot build cuDNN's kernel)"
         if backend != "splash":
