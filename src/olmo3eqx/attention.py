@@ -145,6 +145,10 @@ def attention(
                                  segment_ids=segment_ids)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
+    if backend == "cudnn" and _PLANNED.get() is None and partly_manual():
+        return per_shard(lambda q, k, v, *s: attention(q, k, v, window=window, impl=backend, block_q=block_q,
+                                                       block_kv=block_kv, segment_ids=s[0] if s else None),
+                         q, k, v, segment_ids)
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
     if backend == "pallas" and window is None and _PLANNED.get() is None:
@@ -373,6 +377,27 @@ def splash_context(
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto,
                          check_vma=False)(kernel, *args)
+
+
+def partly_manual() -> bool:
+    """Whether the trace is inside a region where some mesh axes are manual and others not (the step's per-replica
+    region, step.per_replica)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and bool(mesh.manual_axes) and set(mesh.manual_axes) != set(mesh.axis_names)
+
+
+def per_shard(fn, q, k, v, segment_ids=None):
+    """`fn(q, k, v[, segment_ids])` on each device's shard: batch and heads split as shard_spec says, every mesh axis
+    manual. cuDNN's attention needs it inside a partly manual region: jax 0.10.2's custom partitioning of its call
+    fails there (in lowering, "'AbstractMesh' object has no attribute '_flat_devices_tuple'"; under the mesh's
+    context, XLA's SPMD partitioner aborts on a device-group check), while with every axis manual it lowers the call
+    as it stands (seen compiling the train step with data > 1 for compile-only H100s, olmo3eqx.aot)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = shard_spec(mesh, q.shape, k.shape[-2])
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+    specs = (spec,) * 3 + ((P(spec[0]),) if segment_ids is not None else ())
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto, check_vma=False)(*args)
 
 
 def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:
