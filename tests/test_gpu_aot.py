@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +116,30 @@ def test_program_reader_counts_fp8_gemms_and_names_kernels():
     assert [a.line() for a in program.attention] == [
         "sliding layers: cuDNN fused attention: 1 forward, 0 backward calls (CAUSAL, window 4096)",
         "global layers: XLA's own attention (fused dots and softmax)"]
+
+
+REPO = Path(__file__).resolve().parents[1]
+DOCUMENTED = re.compile(r"python train\.py [^`\n#|]*--target (?:[0-9]+x)?(?:h100|h200|b200)x[0-9]+[^`\n#|]*")
+
+
+def documented_gpu_commands() -> list[str]:
+    """Every `python train.py ... --target <GPU nodes> ... --dry-run` the README and docs/ print, once each."""
+    found = {}  # the same flags in another order are the same command
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for command in DOCUMENTED.findall(path.read_text()):
+            if "--dry-run" in command:
+                found.setdefault(tuple(sorted(shlex.split(command))), " ".join(command.split()))
+    return list(found.values())
+
+
+@needs_plugin
+@pytest.mark.slow  # each a 7B compiled by XLA:GPU: 40 s to minutes on 2 cores
+@pytest.mark.parametrize("command", documented_gpu_commands())
+def test_documented_gpu_recipe_fits(command):
+    """Each GPU recipe the docs print, compiled by XLA:GPU as its own process: memory from XLA:GPU and a fit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"compiled step memory per device \(XLA:GPU\): [\d.,]+ GiB .*: fits with", done.stdout), \
+        done.stdout[-3000:]

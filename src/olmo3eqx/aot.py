@@ -14,6 +14,7 @@ devices), `v5e:16x16`, `v6e:8x8`, `v4:4x4x4`. A host without a TPU runs the comp
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -243,7 +244,6 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
     attention kernels and GEMMs) or stand for (simulated CPU devices: attention planned as on its GPUs, the CPU
     compiler's memory against the GPU's); `predict_time` False: no TPU step-time prediction (it compiles the loop
     bodies again)."""
-    import contextlib
 
     import jax
 
@@ -262,10 +262,13 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
     step = make_train_step(cfg, layout)
     start = time.perf_counter()
     dump = tempfile.TemporaryDirectory() if devices[0].platform == "cpu" else contextlib.nullcontext()
+    gpu_target = devices[0].platform == "gpu"
     try:
-        with planning_for("gpu", gpu.device_kind) if simulated else contextlib.nullcontext(), dump as where:
+        with (planning_for("gpu", gpu.device_kind) if simulated else contextlib.nullcontext(), dump as where,
+              target_capability(gpu) if gpu_target and gpu is not None else contextlib.nullcontext()):
             lowered = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len))
-            compiled = lowered.compile(CPU_DUMP | {"xla_dump_to": where} if where else None)
+            options = CPU_DUMP | {"xla_dump_to": where} if where else GPU_COMPILE if gpu_target else None
+            compiled = lowered.compile(options)
             program = partitioned_program(where) if where else None
     except jax.errors.JaxRuntimeError as e:
         vmem, found = OUT_OF_VMEM.search(str(e)), OUT_OF_HBM.search(str(e))
@@ -302,6 +305,32 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
         held = gpu_program.read(text)
     return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
                       prediction_error=error, collectives=traffic, program=held, **common)
+
+
+GPU_COMPILE = {"xla_gpu_enable_cub_radix_sort": False}
+"""XLA:GPU's options for a compile without a GPU: XLA's own sort kernel in place of CUB's radix sort, whose scratch
+size XLA asks the CUDA runtime for (without a device: "cudaErrorInvalidDevice: invalid device ordinal", seen on the
+7B stage-3 step, 65,536-token packed rows; at 8,192 tokens XLA kept its own sort). A GPU would sort with CUB, whose
+scratch the memory figure leaves out."""
+
+
+@contextlib.contextmanager
+def target_capability(gpu: GpuNode):
+    """jax's cuDNN attention asks the local GPU's compute capability while tracing (packed documents need Hopper:
+    jax._src.cudnn.fused_attention_stablehlo.check_compute_capability), which a host without a GPU has not: answered
+    for `gpu`'s description instead, for the trace only."""
+    from jax._src.cudnn import fused_attention_stablehlo as fmha
+
+    spec = re.search(r"cuda_compute_capability \{\s*major: (\d+)(?:\s*minor: (\d+))?", gpu.description())
+    have = (int(spec.group(1)), int(spec.group(2) or 0))
+    asked = lambda capability: tuple(int(x) for x in capability.split("."))  # noqa: E731
+    saved = fmha.check_compute_capability, fmha.is_cuda_compute_capability_equal
+    fmha.check_compute_capability = lambda capability: have >= asked(capability)
+    fmha.is_cuda_compute_capability_equal = lambda capability: have == asked(capability)
+    try:
+        yield
+    finally:
+        fmha.check_compute_capability, fmha.is_cuda_compute_capability_equal = saved
 
 
 CPU_DUMP = {"xla_dump_hlo_pass_re": "all-reduce-promotion"}

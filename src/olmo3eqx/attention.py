@@ -145,7 +145,7 @@ def attention(
                                  segment_ids=segment_ids)
     if window is not None and window >= seq:
         window = None  # a window covering the whole sequence is plain causal attention
-    if backend == "cudnn" and _PLANNED.get() is None and partly_manual():
+    if backend == "cudnn" and _PLANNED.get() is None and partitioned():
         return per_shard(lambda q, k, v, *s: attention(q, k, v, window=window, impl=backend, block_q=block_q,
                                                        block_kv=block_kv, segment_ids=s[0] if s else None),
                          q, k, v, segment_ids)
@@ -379,19 +379,20 @@ def splash_context(
                          check_vma=False)(kernel, *args)
 
 
-def partly_manual() -> bool:
-    """Whether the trace is inside a region where some mesh axes are manual and others not (the step's per-replica
-    region, step.per_replica)."""
+def partitioned() -> bool:
+    """Whether the trace is under a mesh of several devices with some axes left to the partitioner."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and bool(mesh.manual_axes) and set(mesh.manual_axes) != set(mesh.axis_names)
+    return not mesh.empty and mesh.size > 1 and set(mesh.manual_axes) != set(mesh.axis_names)
 
 
 def per_shard(fn, q, k, v, segment_ids=None):
     """`fn(q, k, v[, segment_ids])` on each device's shard: batch and heads split as shard_spec says, every mesh axis
-    manual. cuDNN's attention needs it inside a partly manual region: jax 0.10.2's custom partitioning of its call
-    fails there (in lowering, "'AbstractMesh' object has no attribute '_flat_devices_tuple'"; under the mesh's
-    context, XLA's SPMD partitioner aborts on a device-group check), while with every axis manual it lowers the call
-    as it stands (seen compiling the train step with data > 1 for compile-only H100s, olmo3eqx.aot)."""
+    manual. cuDNN's attention runs so under a mesh: jax 0.10.2's custom partitioning of its call fails in the step's
+    per-replica region (data manual: in lowering, "'AbstractMesh' object has no attribute '_flat_devices_tuple'";
+    under the mesh's context XLA's SPMD partitioner aborts on a device-group check), and for packed documents with
+    heads split over tensor its Shardy rule fails verification ("dim mapping can't have a factor of size 1 if there
+    are multiple factors"), while with every axis manual it lowers the call as it stands (each seen compiling the 7B
+    or tiny train step for compile-only H100s, olmo3eqx.aot)."""
     mesh = jax.sharding.get_abstract_mesh()
     spec = shard_spec(mesh, q.shape, k.shape[-2])
     args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
