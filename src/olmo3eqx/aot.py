@@ -10,6 +10,12 @@ devices). Config in, report out: the dry run (`train.py --dry-run --target T`) a
 
 Topology names are libtpu's: `v5p:8x8x2` (chips in x, y, z), `tpu7x:4x4x4` (Ironwood: each chip shows as two
 devices), `v5e:16x16`, `v6e:8x8`, `v4:4x4x4`. A host without a TPU runs the compile with JAX_PLATFORMS=cpu.
+
+GPU nodes (`h100x8`, `16xh100x8`, `h200x8`, `b200x8`: gpu_node) compile the same way with XLA:GPU for compile-only
+devices of jax's CUDA plugin (`gpu_devices`: the `gpu-compile` extra; no GPU or driver needed), described by XLA's
+own GPU descriptions (package data, olmo3eqx/gpu_specs/); the report then also holds what the program runs
+(olmo3eqx.gpu_program: each attention's kernel, the GEMMs). Without the plugin a GPU node is planned on simulated CPU
+devices (XLA:CPU's memory against the GPU's).
 """
 
 from __future__ import annotations
@@ -217,8 +223,9 @@ class StepReport:
                     f"{m['temp'] / GIB:.2f})")
             if self.hbm is not None:
                 margin = (self.hbm - m["total"]) / GIB
-                line += (f"; {'GPU memory' if self.program is not None else 'HBM'} {self.hbm / GIB:.2f} GiB: fits with {margin:.2f} GiB to spare" if margin >= 0 else
-                         f"; HBM {self.hbm / GIB:.2f} GiB: does not fit, {-margin:.2f} GiB over")
+                what = "GPU memory" if self.program is not None else "HBM"
+                line += (f"; {what} {self.hbm / GIB:.2f} GiB: fits with {margin:.2f} GiB to spare" if margin >= 0 else
+                         f"; {what} {self.hbm / GIB:.2f} GiB: does not fit, {-margin:.2f} GiB over")
             out.append(line)
         else:
             out.append("compiled step memory per device: this backend reports no memory analysis")

@@ -34,8 +34,8 @@ Entry flags (before the others):
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
                           ..., 2xv5p:8x8x1 for two slices) with XLA:TPU on this host (needs the `tpu` extra: libtpu),
                           or for GPU nodes (h100x8, h200x8, b200x8, 16xh100x8 for 16 nodes of 8) with XLA:GPU
-                          (needs the `gpu` extra: jax's CUDA plugin; without it, simulated CPU devices and the CPU
-                          compiler's memory against the GPUs')
+                          (needs the `gpu-compile` extra: jax's CUDA plugin; without it, simulated CPU devices and the
+                          CPU compiler's memory against the GPUs')
   --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
                           after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
                           or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
