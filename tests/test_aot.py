@@ -154,16 +154,18 @@ def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     them refused)."""
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # train.py asks for simulated devices there: restored afterwards
         monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(aot, "cuda_plugin", lambda: False)  # the plan without jax's CUDA plugin
     flags = ["--dry-run", "--model.num-hidden-layers", "2", "--data.seq-len", "256", "--data.packing"]
     assert main([*flags, "--target", "h100x8"]) == 0
     out = capsys.readouterr().out
     assert "attention:             flash, blocks 256 x 256 (documents masked)" in out
-    assert "GPU node plan:         8 x NVIDIA H100 80GB HBM3 (79.65 GiB each) on 8 simulated CPU devices" in out
+    assert ("GPU node plan:         8 x NVIDIA H100 80GB HBM3 (79.11 GiB each) on 8 simulated CPU devices: XLA:CPU's "
+            "memory stands in for XLA:GPU's, which needs jax's CUDA plugin: pip install -e \".[gpu-compile]\"") in out
     assert "mesh:                  {'data': 1, 'fsdp': 8, 'tensor': 1}" in out
-    assert re.search(r"HBM 79\.65 GiB: fits with [\d.]+ GiB to spare", out)
+    assert re.search(r"HBM 79\.11 GiB: fits with [\d.]+ GiB to spare", out)
     assert main([*flags, "--target", "h200x4"]) == 0
     out = capsys.readouterr().out
-    assert "4 x NVIDIA H200 (140.40 GiB each)" in out and "HBM 140.40 GiB" in out
+    assert "4 x NVIDIA H200 141GB HBM3e (141.00 GiB each)" in out and "HBM 141.00 GiB" in out
     assert main([*flags, "--target", "h100x16"]) == 2
     assert "plans on 16 simulated devices but JAX has 8" in capsys.readouterr().err
     # Two nodes of 4: fsdp over all 8 would cross the network (refused); HSDP, data across the nodes, is planned.
@@ -172,7 +174,7 @@ def test_dry_run_plans_a_gpu_node(capsys, monkeypatch):
     assert main([*flags, "--target", "2xh100x4", "--mesh.data", "2"]) == 0
     out = capsys.readouterr().out
     assert ("GPU node plan:         2 nodes of 4, data across nodes and fsdp/tensor within (mesh.node_devices=4): "
-            "8 x NVIDIA H100 80GB HBM3 (79.65 GiB each) on 8 simulated CPU devices") in out
+            "8 x NVIDIA H100 80GB HBM3 (79.11 GiB each) on 8 simulated CPU devices") in out
     assert "mesh:                  {'data': 2, 'fsdp': 4, 'tensor': 1}" in out and "  node_devices: 4\n" in out
 
 

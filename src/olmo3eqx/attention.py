@@ -152,6 +152,10 @@ def attention(
         window = None  # a window covering the whole sequence is plain causal attention
     if backend == CUDNN_CP:
         backend = "cudnn"  # whole sequences: the cudnn backend as it has run
+    if backend == "cudnn" and _PLANNED.get() is None and partitioned():
+        return per_shard(lambda q, k, v, *s: attention(q, k, v, window=window, impl=backend, block_q=block_q,
+                                                       block_kv=block_kv, segment_ids=s[0] if s else None),
+                         q, k, v, segment_ids)
     if backend == "blocked":
         return blocked_attention(q, k, v, window=window, segment_ids=segment_ids)
     if backend == "pallas" and window is None and _PLANNED.get() is None:
@@ -392,6 +396,28 @@ def splash_context(
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto,
                          check_vma=False)(kernel, *args)
+
+
+def partitioned() -> bool:
+    """Whether the trace is under a mesh of several devices with some axes left to the partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1 and set(mesh.manual_axes) != set(mesh.axis_names)
+
+
+def per_shard(fn, q, k, v, segment_ids=None):
+    """`fn(q, k, v[, segment_ids])` on each device's shard: batch and heads split as shard_spec says, every mesh axis
+    manual. cuDNN's attention runs so under a mesh: jax 0.10.2's custom partitioning of its call fails in the step's
+    per-replica region (data manual: in lowering, "'AbstractMesh' object has no attribute '_flat_devices_tuple'";
+    under the mesh's context XLA's SPMD partitioner aborts on a device-group check), and for packed documents with
+    heads split over tensor its Shardy rule fails verification ("dim mapping can't have a factor of size 1 if there
+    are multiple factors"), while with every axis manual it lowers the call as it stands (each seen compiling the 7B
+    or tiny train step for compile-only H100s, olmo3eqx.aot)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = shard_spec(mesh, q.shape, k.shape[-2])
+    args = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+    specs = (spec,) * 3 + ((P(spec[0]),) if segment_ids is not None else ())
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec, axis_names=auto, check_vma=False)(*args)
 
 
 def shard_spec(mesh, shape: tuple[int, ...], kv_heads: int) -> P:

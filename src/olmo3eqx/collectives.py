@@ -197,15 +197,16 @@ class Traffic:
                             for axes, (within, across) in self.by_axes().items()],
                 "not_exact": [{"name": c.name, "kind": c.kind, "count_is": c.exact} for c in self.unknown]}
 
-    def lines(self) -> list[str]:
-        """The table the dry run prints."""
+    def lines(self, links: tuple[str, str] = ("within node/slice", "across nodes/slices")) -> list[str]:
+        """The table the dry run prints; `links` names the link within a granule and across (GPU nodes: NVLink and
+        the network)."""
         out = [f"collectives per step:  {len(self.collectives)} instructions; MiB/device = {BYTES_CONVENTION}"]
         if not self.rows:
             return out + ["  none"]
         out.append(f"  {'kind':<19}{'dtype':<7}{'axes':<17}{'link':<20}{'count':>7}{'MiB/device':>13}")
         for r in self.rows:
             count = f"{'>=' if r.exact == 'unknown' else '<=' if r.exact == 'at most' else ''}{r.count}"
-            link = "across nodes/slices" if r.across else "within node/slice"
+            link = links[1] if r.across else links[0]
             out.append(f"  {r.kind:<19}{r.dtype:<7}{','.join(r.axes) or '-':<17}{link:<20}{count:>7}"
                        f"{r.bytes_per_device / MIB:>13,.2f}")
         out.append(f"  total per device per step: {self.total(False) / MIB:,.2f} MiB within a node/slice, "

@@ -31,6 +31,8 @@ from olmo3eqx.attention import attention, target_device
 from olmo3eqx.config import FULL, SLIDING, ModelConfig, RopeScalingConfig
 from olmo3eqx.context import context_ranks, layout_positions, split_rows
 
+SLIDING_SCOPE, GLOBAL_SCOPE = "sliding_attention", "global_attention"
+"""The named scopes (op_name metadata) of each layer kind's attention."""
 DTYPE = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 MAX_UNROLLED_GROUPS = {"none": 2}
@@ -264,9 +266,11 @@ class Attention(eqx.Module):
     def __call__(self, x: Float[Array, "*batch seq hidden"], cfg: ModelConfig, sliding: bool, table: RopeTable,
                  segment_ids: Int[Array, "*batch seq"] | None = None) -> Float[Array, "*batch seq hidden"]:
         q, k, v = self.project(x, cfg, table)
-        # A causal window of W keys including the query itself: i-(W-1) <= j <= i.
-        out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
-                        block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv, segment_ids=segment_ids)
+        # A causal window of W keys including the query itself: i-(W-1) <= j <= i. The scope names the attention's
+        # instructions in a compiled program (olmo3eqx.gpu_program reads which kernel each runs).
+        with jax.named_scope(SLIDING_SCOPE if sliding else GLOBAL_SCOPE):
+            out = attention(q, k, v, window=cfg.sliding_window if sliding else None, impl=cfg.attention_impl,
+                            block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv, segment_ids=segment_ids)
         return self.output(out, cfg)
 
 

@@ -33,8 +33,9 @@ Entry flags (before the others):
   --simulated-devices N   run on N simulated CPU devices (for --dry-run planning of large meshes)
   --target TOPOLOGY       with --dry-run: compile for a TPU topology not present (tpu7x:4x4x4, v5p:8x8x2, v5e:16x16,
                           ..., 2xv5p:8x8x1 for two slices) with XLA:TPU on this host (needs the `tpu` extra: libtpu),
-                          or plan GPU nodes (h100x8, h200x8, 16xh100x8 for 16 nodes of 8: simulated CPU devices,
-                          the CPU compiler's memory against the GPUs')
+                          or for GPU nodes (h100x8, h200x8, b200x8, 16xh100x8 for 16 nodes of 8) with XLA:GPU
+                          (needs the `gpu-compile` extra: jax's CUDA plugin; without it, simulated CPU devices and the
+                          CPU compiler's memory against the GPUs')
   --until-done            supervise: relaunch this command until it finishes: at once after a preemption (exit 75),
                           after the backoff after a crash or a storage failure (exit 74), never after bad input (2)
                           or optim.max_nonfinite non-finite steps in a row (3); each relaunch logs its exit code
@@ -61,10 +62,13 @@ def parse_args(argv: list[str] | None = None):
     pre.add_argument("--max-restarts", type=int, default=20)
     pre.add_argument("--stop-timeout", type=float, default=600.0)
     opts, rest = pre.parse_known_args(argv)
-    from olmo3eqx.aot import gpu_node
+    from olmo3eqx.aot import GPU_QUIET, cuda_plugin, gpu_node
 
     node = gpu_node(opts.target)
-    if node is not None:
+    if node is not None and cuda_plugin():  # XLA:GPU compiles for the plugin's compile-only GPUs
+        for key, value in GPU_QUIET.items():
+            os.environ.setdefault(key, value)
+    elif node is not None:  # no plugin: the CPU compiler plans on as many simulated devices
         opts.simulated_devices = node.count
     if opts.simulated_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -145,8 +149,12 @@ def dry_run(cfg, target: str | None = None) -> None:
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("---")
     m, seq = cfg.model, cfg.data.seq_len
-    devices = aot.topology_devices(target) if target and gpu is None else jax.devices()
-    if gpu is not None:
+    compiled_gpu = gpu is not None and aot.cuda_plugin()
+    if compiled_gpu:
+        devices = aot.gpu_devices(gpu)
+    else:
+        devices = aot.topology_devices(target) if target and gpu is None else jax.devices()
+    if gpu is not None and not compiled_gpu:
         if len(devices) < gpu.count:
             raise ConfigError(f"--target {target} plans on {gpu.count} simulated devices but JAX has {len(devices)}: "
                               f"JAX started before train.py could ask for them (run train.py as its own process).")
@@ -181,9 +189,13 @@ def dry_run(cfg, target: str | None = None) -> None:
     if gpu is not None:
         nodes = (f"{gpu.nodes} nodes of {gpu.per_node}, data across nodes and fsdp/tensor within "
                  f"(mesh.node_devices={gpu.per_node}): " if gpu.nodes > 1 else "")
-        print(f"GPU node plan:         {nodes}{gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
-              f"{gpu.count} simulated CPU devices: XLA:CPU's memory analysis of the same partitioned program stands in "
-              f"for XLA:GPU's (an estimate: the two compilers fuse and schedule differently)")
+        if compiled_gpu:
+            print(f"GPU nodes:             {nodes}{gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each), "
+                  f"compile-only devices of jax's CUDA plugin: XLA:GPU compiles the step here (nothing runs)")
+        else:
+            print(f"GPU node plan:         {nodes}{gpu.count} x {gpu.device_kind} ({gpu.hbm / 2**30:.2f} GiB each) on "
+                  f"{gpu.count} simulated CPU devices: XLA:CPU's memory stands in for XLA:GPU's, which needs jax's "
+                  f"CUDA plugin: {aot.GPU_INSTALL}")
     print("\n".join(aot.compile_step(cfg, layout, gpu).lines()))
 
 
@@ -233,10 +245,11 @@ def attention_backend(cfg, layout, gpu=None) -> str:
             _, bq, bkv = blocks_for(seq, m.attention_block_q, m.attention_block_kv)
             return f"flash, blocks {bq} x {bkv}{masked}"
         if backend == CUDNN_CP and cfg.mesh.context > 1:
-            planned = ", planned here with flash's memory" if gpu is not None else ""
+            simulated = gpu is not None and layout.mesh.devices.flat[0].platform == "cpu"
+            planned = ", planned here with flash's memory" if simulated else ""
             return (f"{CUDNN_CP} (cuDNN on chunks that continue a document; compiled, not yet run on a GPU"
                     f"{planned}){masked}")
-        if backend == "cudnn" and gpu is not None:
+        if backend == "cudnn" and gpu is not None and layout.mesh.devices.flat[0].platform == "cpu":
             return "cudnn (planned here with flash's memory: the CPU compiler cannot build cuDNN's kernel)"
         if backend != "splash":
             return backend + masked
