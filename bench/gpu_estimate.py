@@ -45,15 +45,13 @@ if __name__ == "__main__":
 import common
 
 REPO = Path(__file__).resolve().parents[1]
-TARGETS = Path(__file__).parent / "gpu_targets"
-"""XLA's device descriptions the compile-only GPUs are made from (bench/gpu_targets/*.txtpb)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
     target: str
-    """bench/gpu_targets/<target>.txtpb."""
+    """XLA's device description the compile-only GPUs are made from: olmo3eqx/gpu_specs/<target>.txtpb (aot.gpu_spec)."""
     gpus: int
     model: dict
     """Fields of the model, over `base`'s."""
@@ -107,11 +105,12 @@ def run_case(case: Case) -> dict:
     from jax.experimental import topologies
 
     from olmo3eqx import flops, gpu_estimate
+    from olmo3eqx.aot import gpu_spec
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
 
     cfg = train_config(case)
-    text = (TARGETS / f"{case.target}.txtpb").read_text()
+    text = gpu_spec(f"{case.target}.txtpb")
     devices = list(topologies.get_topology_desc(platform="cuda", target_config=text,
                                                 topology=f"1x1x{case.gpus}").devices)
     start = time.perf_counter()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmo3eqx.aot import gpu_spec
 from olmo3eqx.context import masked_attention
 from olmo3eqx.cudnn_context import Executor, Runs, chunk_attention, run_mask
 from olmo3eqx.cudnn_packed import document_runs
@@ -140,17 +141,13 @@ def test_train_step_with_split_sequences_gives_the_unsplit_numbers(context, bala
     assert_same(run(context, CPCO, balance=balance), run(1, "xla"))
 
 
-H100 = os.path.join(os.path.dirname(__file__), "fixtures", "h100_sxm.txtpb")
-
-
 def h100_devices(count: int):
     """`count` compile-only H100s (jax's CUDA plugin; no GPU needed)."""
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     topologies = pytest.importorskip("jax.experimental.topologies")
     pytest.importorskip("jax_plugins.xla_cuda12", reason="jax's CUDA plugin is not installed")
-    with open(H100) as f:
-        return topologies.get_topology_desc(platform="cuda", target_config=f.read(),
-                                            topology=f"1x1x{count}").devices
+    return topologies.get_topology_desc(platform="cuda", target_config=gpu_spec("h100_sxm.txtpb"),
+                                        topology=f"1x1x{count}").devices
 
 
 @pytest.mark.gpu_small

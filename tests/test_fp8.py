@@ -6,7 +6,6 @@ import functools
 import os
 import re
 from collections import Counter
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from olmo3eqx import fp8
+from olmo3eqx.aot import gpu_spec
 from olmo3eqx.config import ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.model import abstract_model
 from olmo3eqx.sharding import build_layout
@@ -26,7 +26,6 @@ MODEL = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_h
 """Every projection's dimensions are multiples of 16 (fp8.MULTIPLE), so all seven of each block's run in FP8."""
 SEQ, BATCH = 32, 8
 PROJECTIONS = 7  # q, k, v, o, gate, up, down
-H100 = Path(__file__).parent / "fixtures" / "h100_sxm.txtpb"
 
 
 def cfg_for(recipe: str, steps: int = 10, **mesh) -> TrainConfig:
@@ -188,7 +187,8 @@ def h100_step(recipe: str, triton: bool) -> str:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no GPU or driver here: compile only
     from jax.experimental import topologies
 
-    devices = topologies.get_topology_desc(platform="cuda", target_config=H100.read_text(), topology="1x1x8").devices
+    devices = topologies.get_topology_desc(platform="cuda", target_config=gpu_spec("h100_sxm.txtpb"),
+                                           topology="1x1x8").devices
     cfg = dataclasses.replace(cfg_for(recipe), data=DataConfig(seq_len=SEQ, global_batch=2 * len(devices)),
                               mesh=MeshConfig(max_per_device_batch=2))
     layout = build_layout(cfg, devices)

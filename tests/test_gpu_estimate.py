@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from olmo3eqx.aot import gpu_spec
 from olmo3eqx.gpu_estimate import estimate, figures_from_target, gpu_for
 
 REPO = Path(__file__).resolve().parents[1]
-TARGETS = REPO / "bench" / "gpu_targets"
 H100 = gpu_for("NVIDIA H100 80GB HBM3")
 N = 2048  # a bf16 N^3 GEMM: 17.4 us of FLOPs at 989 TFLOP/s against 7.5 us of bytes at 3.35 TB/s (compute-bound)
 
@@ -132,7 +132,7 @@ def test_figures_match_xlas_device_descriptions():
     """The table's datasheet figures against what XLA's own H100 and H200 descriptions state (rates x cores x
     clock x 2): within 0.2% (XLA's 1.8295 GHz tensor clock, 3.352 TB/s)."""
     for name, kind in (("h100_sxm", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200 141GB HBM3e")):
-        stated = figures_from_target((TARGETS / f"{name}.txtpb").read_text())
+        stated = figures_from_target(gpu_spec(f"{name}.txtpb"))
         gpu = gpu_for(kind)
         assert set(stated) == {"hbm", "bf16_flops", "fp8_flops", "tf32_flops", "fp32_flops"}
         for field, value in stated.items():
@@ -160,7 +160,7 @@ def h100s(count: int) -> list:
     from jax.experimental import topologies
 
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    text = (TARGETS / "h100_sxm.txtpb").read_text()
+    text = gpu_spec("h100_sxm.txtpb")
     return list(topologies.get_topology_desc(platform="cuda", target_config=text, topology=f"1x1x{count}").devices)
 
 
