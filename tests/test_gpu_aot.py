@@ -38,7 +38,8 @@ def restored_env(monkeypatch):
 @pytest.mark.gpu_small
 def test_tiny_model_on_one_h100_node(capsys, restored_env):
     """8 compile-only H100s: XLA:GPU's memory against the H100's, cuDNN's fused attention named for each layer kind
-    with the window cuDNN was configured with, the GEMMs (none FP8), the collectives over NVLink only."""
+    with the window cuDNN was configured with, the GEMMs (none FP8), the step time estimated from the program, the
+    collectives over NVLink only."""
     assert main([*TINY, "--target", "h100x8"]) == 0
     out = capsys.readouterr().out
     assert "devices:               8 x NVIDIA H100 80GB HBM3 (topology h100x8)" in out
@@ -49,6 +50,8 @@ def test_tiny_model_on_one_h100_node(capsys, restored_env):
                      out)
     assert re.search(r"global layers: cuDNN fused attention: \d+ forward, \d+ backward calls \(CAUSAL\)\n", out)
     assert re.search(r"GEMMs: .*bf16 x bf16.*; FP8: 0 ", out)
+    assert re.search(r"estimated step time: +[\d.]+ s per step, [\d,]+ tokens/s per GPU, implied MFU [\d.]+% \(an "
+                     r"ESTIMATE from XLA:GPU's compiled program", out)
     assert re.search(r"all-gather +bf16 +fsdp +NVLink \(node\)", out) and "network (nodes)   " not in out
     assert re.search(r"compile time: +[\d.]+ s", out)
 

@@ -198,6 +198,9 @@ class StepReport:
     slice (olmo3eqx.collectives.Traffic; `.to_json()` is the form bench/ stores)."""
     program: object | None = None
     """A GPU program's attention kernels and GEMMs (olmo3eqx.gpu_program.Program); GPU targets only."""
+    estimate: object | None = None
+    """The step time estimated from the GPU program, kernel by kernel at its roofline (olmo3eqx.gpu_estimate.Estimate);
+    GPU targets only."""
     compiler: str | None = None
     """Whose memory analysis it is, where the dry run says so ("XLA:GPU")."""
 
@@ -239,6 +242,8 @@ class StepReport:
             out.append(f"predicted step time:   none ({self.prediction_error})")
         if self.program is not None:
             out.extend(self.program.lines())
+        if self.estimate is not None:
+            out.extend(self.estimate.lines())
         if self.collectives is not None:
             out.extend(self.collectives.lines(GPU_LINKS) if self.program is not None else self.collectives.lines())
         out.append(f"compile time:          {self.compile_s:.1f} s")
@@ -305,13 +310,14 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
 
     text = compiled.as_text()
     traffic = collectives.account(program or text, layout.mesh, granules_of(layout.mesh, cfg.mesh.node_devices))
-    held = None
+    held = estimated = None
     if devices[0].platform == "gpu":
-        from olmo3eqx import gpu_program
+        from olmo3eqx import gpu_estimate, gpu_program
 
         held = gpu_program.read(text)
+        estimated = gpu_estimate.estimate_step(cfg, layout, compiled)
     return StepReport(compile_s=compile_s, memory=memory, flops=flops, prediction=prediction,
-                      prediction_error=error, collectives=traffic, program=held, **common)
+                      prediction_error=error, collectives=traffic, program=held, estimate=estimated, **common)
 
 
 GPU_COMPILE = {"xla_gpu_enable_cub_radix_sort": False}
