@@ -49,7 +49,7 @@ count of tests it selected and deselected, for tests/test_suite_budget.py."""
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     addopts = config.getini("addopts")
-    default_markers = addopts[addopts.index("-m") + 1]
+    default_markers = addopts[addopts.index("-m") + 1] if "-m" in addopts[:-1] else ""
     if (config.args in ([], ["tests"], [str(config.rootpath / "tests")]) and not config.option.keyword
             and config.option.markexpr == default_markers):
         DEFAULT_SUITE["selected"] = len(items)

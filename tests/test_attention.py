@@ -169,7 +169,7 @@ def test_model_logits_and_gradients_same_with_blocked_and_xla():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6, rtol=1e-4)
 
 
-@pytest.mark.slow  # ~15 s: nightly
+@pytest.mark.slow  # ~15 s: a .ci/run share (.ci/share.py)
 def test_model_on_a_batch_equals_model_vmapped_over_examples():
     """The train step feeds the batch as a leading axis (2-D matmuls); it must equal the per-example model."""
     model = init_model(MODEL, jax.random.key(0))

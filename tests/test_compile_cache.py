@@ -1,12 +1,13 @@
 """The suite's persistent compilation cache (tests/conftest.py) cannot change a result: JAX keys each entry on the
-program, so the same program hits and a change to the model's code misses; a train.py run with a warm cache logs the
-losses of the same run with a cold one; a compile that reads its own XLA dump skips the cache (olmo3eqx.aot.uncached).
-"""
+program, so the same program hits and a change to the model's code misses; a compile that reads its own XLA dump skips
+the cache (olmo3eqx.aot.uncached); a train.py run, and the README's default run, on a warm cache log the losses of
+the same run on a cold one (-m slow: .ci/run's shares run them)."""
 
 import logging
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -17,6 +18,7 @@ from olmo3eqx import model as model_module
 from olmo3eqx.aot import uncached
 from olmo3eqx.config import FULL, SLIDING, ModelConfig
 from olmo3eqx.model import init_model
+from test_readme_run import EVAL, REPO, TOLERANCE, readme_losses
 from test_train import CONFIG, command, env, losses
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -96,7 +98,8 @@ def test_a_compile_that_reads_its_dump_skips_the_cache(cache_log, tmp_path):
     jax.jit(sin_product).lower(x).compile()  # now in the cache
     jax.clear_caches()
     with uncached():
-        jax.jit(sin_product).lower(x).compile({"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "all-reduce-promotion"})
+        options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "all-reduce-promotion"}
+        jax.jit(sin_product).lower(x).compile(options)
     assert list(tmp_path.glob("*before_all-reduce-promotion*")), sorted(p.name for p in tmp_path.iterdir())
     jax.clear_caches()
     jax.jit(sin_product).lower(x).compile()
@@ -108,6 +111,7 @@ def entries(cache: Path) -> set[str]:
     return {p.name for p in cache.iterdir()}
 
 
+@pytest.mark.slow  # two train.py runs (~25 s); the README run below is the full-size proof
 def test_a_warm_cache_logs_the_losses_of_a_cold_one(tmp_path):
     """The same train.py run twice on one fresh cache: the first compiles and writes every program, the second writes
     nothing new (every compile came from the cache) and logs bit-identical losses."""
@@ -126,3 +130,24 @@ def test_a_warm_cache_logs_the_losses_of_a_cold_one(tmp_path):
     assert written[0] and written[1] == written[0], written[1] - written[0]
     assert sorted(runs["cold"]) == [1, 2] and runs["warm"] == runs["cold"], runs
 
+
+
+@pytest.mark.slow  # the README's default run twice (~6 minutes on 2 cores)
+def test_the_readme_run_prints_the_same_losses_from_a_warm_cache(tmp_path):
+    """`python train.py` (the README's default run) on a fresh cache, then again on the cache it filled: the second
+    compiles nothing (no entry is added) and prints the first's held-out losses to the last digit, both within the
+    README's gate."""
+    cache = tmp_path / "xla-cache"
+    cache.mkdir()
+    printed, written = [], []
+    for name in ("cold", "warm"):
+        p = subprocess.run([sys.executable, "train.py", "--run.dir", str(tmp_path / name)], cwd=REPO,
+                           env=os.environ | {"JAX_COMPILATION_CACHE_DIR": str(cache)}, capture_output=True, text=True,
+                           timeout=3600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        printed.append({int(step): loss for step, loss in EVAL.findall(p.stdout + p.stderr)})
+        written.append(entries(cache))
+    assert written[0] and written[1] == written[0], written[1] - written[0]
+    want = readme_losses()
+    assert printed[0].keys() == want.keys() and printed[1] == printed[0], printed
+    assert all(abs(float(printed[0][s]) - want[s]) <= TOLERANCE for s in want), (printed[0], want)

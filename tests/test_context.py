@@ -100,7 +100,7 @@ def test_context_parallel_gives_the_unsplit_numbers(impl):
         assert_same(run(4, impl, balance=False), one)
 
 
-@pytest.mark.slow  # ~50 s (splash interpreted on CPU): nightly; xla and flash keep the equality in the default suite
+@pytest.mark.slow  # ~50 s (splash interpreted on CPU): a .ci/run share; xla and flash keep the equality in the default suite
 def test_splash_context_parallel_gives_the_unsplit_numbers():
     """Splash (interpreted on CPU) with its mask information split over the context ranks: balanced chunks of 128
     tokens, the lane width each chunk must fill (the global layer's kernel takes the queries at their balanced

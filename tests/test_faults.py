@@ -664,7 +664,7 @@ def test_checkpoints_written_before_the_record_are_decided_as_before(tmp_path):
     assert on_store(ck) == [40, 50, 51]
 
 
-@pytest.mark.slow  # ~30 s: the Checkpointer's two launches on local, gs and s3 above prove the row in the default suite: nightly (.ci/nightly runs -m slow)
+@pytest.mark.slow  # ~30 s: the Checkpointer's two launches on local, gs and s3 above prove the row in the default suite: one of .ci/run's shares (.ci/share.py)
 def test_raising_steps_keeps_the_final_checkpoint_of_a_real_run(tmp_path, shared):
     """train.py on test_train's small model: 45 steps (checkpoints every 5, every 10th permanent, keep 3), then
     --steps 51 resumes from 45 and keeps it."""

@@ -163,7 +163,7 @@ def test_chat_requests_are_the_question_through_transformers_chat_template(tmp_p
     assert task.requests[0].context.endswith("\\boxed{6}.\"<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.slow  # ~40 s on 2 shared cores (two generate compilations): nightly (.ci/nightly runs -m slow)
+@pytest.mark.slow  # ~40 s on 2 shared cores (two generate compilations): one of .ci/run's shares (.ci/share.py)
 def test_base_and_chat_gsm8k_side_by_side_from_a_checkpoint(tmp_path):
     """olmo3eqx-eval scores a checkpoint on the base model's few-shot gsm8k and the chat model's gsm8k_chat at once,
     the chat questions through the byte template, the new tokens bounded by --max-new-tokens."""

@@ -77,7 +77,7 @@ def test_an_error_on_one_process_ends_both_with_its_code(failing, kind):
     assert "Traceback" not in results[1 - failing][2] and "Terminating process" not in report, report
 
 
-@pytest.mark.slow  # ~20 s, two processes: nightly (.ci/nightly runs -m slow)
+@pytest.mark.slow  # ~20 s, two processes: one of .ci/run's shares (.ci/share.py)
 def test_an_error_every_process_reaches_ends_each_with_its_own_sentence():
     results = run_both("both", "input")
     report = "\n".join(f"--- process {i}: exit {c}\n{err[-3000:]}" for i, (c, _, err) in enumerate(results))

@@ -636,7 +636,7 @@ def tool(*args, module: str | None = None, timeout=600) -> subprocess.CompletedP
     return p
 
 
-@pytest.mark.slow  # over 25 s: nightly (.ci/nightly runs -m slow); the default suite keeps CI under ~20 min
+@pytest.mark.slow  # over 25 s: one of .ci/run's shares (.ci/share.py); the default suite keeps CI under ~20 min
 def test_tools_and_init_from_read_and_write_urls(gs_run, s3_run, setup, stores, tmp_path):
     from olmo3eqx import hf
     from olmo3eqx.checkpoint.model import load_model

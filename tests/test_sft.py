@@ -28,7 +28,7 @@ def bench_sft(monkeypatch):
     return bench_sft
 
 
-@pytest.mark.slow  # over 25 s: nightly (.ci/nightly runs -m slow); the default suite keeps CI under ~20 min
+@pytest.mark.slow  # over 25 s: one of .ci/run's shares (.ci/share.py); the default suite keeps CI under ~20 min
 def test_sft_gate_loss_falls_and_answers_take_the_format(bench_sft, tmp_path):
     results = bench_sft.miniature(tmp_path, steps=30, questions=16, conversations=400, overrides=CHEAP,
                                   runs=("assistant-only",))

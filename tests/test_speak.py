@@ -197,7 +197,7 @@ def byte_ckpt(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow  # over 25 s: nightly (.ci/nightly runs -m slow); the default suite keeps CI under ~20 min
+@pytest.mark.slow  # over 25 s: one of .ci/run's shares (.ci/share.py); the default suite keeps CI under ~20 min
 def test_generate_on_two_processes_writes_what_one_process_writes(byte_ckpt, stores, tmp_path):
     """Each process restores its own shards (a restore onto the first device fails on process 1, which holds none of
     it); process 0 alone writes, here to a bucket."""

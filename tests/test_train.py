@@ -377,7 +377,7 @@ def trimmed_hf(setup):
     return hf_dir, ckpt
 
 
-@pytest.mark.slow  # ~20 s: nightly (.ci/nightly runs -m slow)
+@pytest.mark.slow  # ~20 s: one of .ci/run's shares (.ci/share.py)
 def test_init_from_a_smaller_vocabulary_pads_it_and_trains(setup, trimmed_hf):
     """Stage 2 from AI2's released weights, in small: a converted HF checkpoint of 300 rows starts a 384-row run. Its
     rows and every other weight arrive exactly; the padding rows are this run's own initialisation (OLMo-core's
