@@ -32,10 +32,13 @@ else:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SUITE_CACHE]
 # Every compile is cached, not only those over JAX's default second: the tiny models compile in well under one.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-# A size limit turns on JAX's file lock around every read and write of an entry (filelock, which the test extra's
-# packages bring): processes compiling the same program at once (a multi-process run, pytest-xdist's workers) never
-# read an entry another is still writing. The suite writes a few GB at most; nothing is evicted below this.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 * 2**30)
+# No size limit (JAX's default, -1). With one, JAX's LRU cache reads the access time of every entry in the directory
+# on every write to decide what to evict: the suite writes about 5,000 entries, so that scan grew with the square of the
+# run and cost more than the compiles it saved (tests/test_attention.py, test_accumulation.py and test_aot.py: 236 s
+# with a 32 GiB limit, 127 s without, 129 s with no cache). Without a limit JAX takes no file lock either: a process
+# that reads an entry another is still writing (two train.py runs compiling one program at once) fails to decompress
+# it, warns and compiles the program itself, so a race costs a compile, never a result.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 
 
 import pytest  # noqa: E402
@@ -46,8 +49,18 @@ DEFAULT_SUITE: dict[str, int] = {}
 count of tests it selected and deselected, for tests/test_suite_budget.py."""
 
 
+HEAVIEST_FIRST = ("test_remote_run.py", "test_train.py", "test_step.py", "test_faults.py", "test_attention.py",
+                  "test_context.py", "test_generate.py", "test_flash.py", "test_launchers.py", "test_multihost.py",
+                  "test_precision.py", "test_loss_rule.py")
+"""The default suite's files by their seconds in one process (--durations=0, 2-core host), largest first: they run
+first, so under pytest-xdist (`-n 2`, --dist loadfile: a file per worker at a time) the run does not end on one
+worker finishing a long file while the other waits. The rest keep their order."""
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
     addopts = config.getini("addopts")
     default_markers = addopts[addopts.index("-m") + 1] if "-m" in addopts[:-1] else ""
     if (config.args in ([], ["tests"], [str(config.rootpath / "tests")]) and not config.option.keyword

@@ -77,6 +77,10 @@ def test_the_suite_runs_with_a_fresh_persistent_cache():
     cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
     assert cache == os.environ["OLMO3EQX_SUITE_COMPILATION_CACHE"] and Path(cache).is_dir()
     assert jax.config.jax_compilation_cache_dir == cache and jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    # no size limit, so no eviction: JAX's LRU mode would write an access time beside every entry and read them all
+    # on every write (quadratic over the suite's thousands of entries; tests/conftest.py has the timings)
+    jax.jit(sin_product).lower(jnp.ones((3, 5))).compile()
+    assert any(Path(cache).glob("*-cache")) and not any(Path(cache).glob("*-atime")), sorted(os.listdir(cache))[:6]
 
 
 def test_the_same_program_hits_and_a_change_to_the_model_s_code_misses(cache_log, monkeypatch):
