@@ -49,18 +49,8 @@ DEFAULT_SUITE: dict[str, int] = {}
 count of tests it selected and deselected, for tests/test_suite_budget.py."""
 
 
-HEAVIEST_FIRST = ("test_remote_run.py", "test_train.py", "test_step.py", "test_faults.py", "test_attention.py",
-                  "test_context.py", "test_generate.py", "test_flash.py", "test_launchers.py", "test_multihost.py",
-                  "test_precision.py", "test_loss_rule.py")
-"""The default suite's files by their seconds in one process (--durations=0, 2-core host), largest first: they run
-first, so under pytest-xdist (`-n 2`, --dist loadfile: a file per worker at a time) the run does not end on one
-worker finishing a long file while the other waits. The rest keep their order."""
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
     addopts = config.getini("addopts")
     default_markers = addopts[addopts.index("-m") + 1] if "-m" in addopts[:-1] else ""
     if (config.args in ([], ["tests"], [str(config.rootpath / "tests")]) and not config.option.keyword
