@@ -279,7 +279,7 @@ def compile_step(cfg: TrainConfig, layout, gpu: GpuNode | None = None, predict_t
               target_capability(gpu) if gpu_target and gpu is not None else contextlib.nullcontext()):
             lowered = step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len))
             options = CPU_DUMP | {"xla_dump_to": where} if where else GPU_COMPILE if gpu_target else None
-            with uncached() if where else contextlib.nullcontext():
+            with uncached() if where or compile_only(devices) else contextlib.nullcontext():
                 compiled = lowered.compile(options)
             program = partitioned_program(where) if where else None
     except jax.errors.JaxRuntimeError as e:
@@ -351,6 +351,13 @@ CPU_DUMP = {"xla_dump_hlo_pass_re": "all-reduce-promotion"}
 float-normalization passes widen them to float32: `compiled.as_text()` on CPU devices reads float32 for every
 collective. The collectives of a CPU compile (the dry run on simulated devices, a GPU node planned here) are
 therefore read from the program as partitioned, dumped just before that pass: the dtypes XLA:GPU and XLA:TPU keep."""
+
+
+def compile_only(devices) -> bool:
+    """`devices` are a compile-only topology's (libtpu's or the CUDA plugin's, jax.experimental.topologies): JAX's
+    persistent compilation cache can store their executables but not load one back (there is no client to load it
+    into: JAX warns "PjRtCompiler must be constructed with a Client" and compiles again), so their compiles skip it."""
+    return type(devices[0].client).__name__ == "CompileOnlyPyClient"
 
 
 @contextlib.contextmanager

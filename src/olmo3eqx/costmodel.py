@@ -29,6 +29,7 @@ modelled by hand; everything else is the compiler's figure.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import re
 import time
@@ -192,13 +193,16 @@ def _compile(cfg, fn, mesh, *args, out_shardings=None):
     """`fn` compiled over `mesh` with the XLA:TPU flags the train step compiles with (mesh.tpu_flags)."""
     import jax
 
+    from olmo3eqx.aot import compile_only, uncached
     from olmo3eqx.precision import traced_gathering
     from olmo3eqx.sharding import on_mesh
     from olmo3eqx.step import tpu_compiler_options
 
     options = tpu_compiler_options(cfg, mesh) or None
     fn = on_mesh(mesh, traced_gathering(cfg.mesh.gather_dtype, fn))  # traced as the step is
-    return jax.jit(fn, out_shardings=out_shardings, compiler_options=options).lower(*args).compile()
+    lowered = jax.jit(fn, out_shardings=out_shardings, compiler_options=options).lower(*args)
+    with uncached() if compile_only(mesh.devices.flatten()) else contextlib.nullcontext():
+        return lowered.compile()
 
 
 def group_seconds(cfg, layout) -> float:
