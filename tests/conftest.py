@@ -10,7 +10,7 @@ suite run (no entry from an earlier checkout can stand in for today's code), set
 imported, so the train.py subprocesses the tests start share it. JAX keys each entry on the program (its StableHLO),
 the compile options, the XLA flags, the devices and the jax/jaxlib versions: a change to the model's code is a
 different program and misses (tests/test_compile_cache.py). A compile that reads XLA's dump of itself skips the cache
-(olmo3eqx.aot.uncached).
+(olmo3eqx.compile_cache.uncached).
 """
 
 import os

@@ -188,7 +188,7 @@ def number_after(text: str, label: str) -> float:
 def test_tiny_dry_run_for_a_tpu_topology(capsys):
     """The default config compiled for 4 TPU v5e chips: splash attention, memory against the HBM, and XLA's FLOPs
     equal to flops.py's count less the attention (the tiny step has no loop; splash kernels count 0 in XLA). The
-    compile-only topology's compiles leave the suite's persistent cache alone (aot.compile_only): JAX could not load
+    compile-only topology's compiles leave the suite's persistent cache alone (compile_cache.compile_only): JAX could not load
     such an entry back."""
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
     before = set(os.listdir(cache))

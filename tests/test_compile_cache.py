@@ -1,6 +1,6 @@
 """The suite's persistent compilation cache (tests/conftest.py) cannot change a result: JAX keys each entry on the
 program, so the same program hits and a change to the model's code misses; a compile that reads its own XLA dump skips
-the cache (olmo3eqx.aot.uncached); a train.py run, and the README's default run, on a warm cache log the losses of
+the cache (olmo3eqx.compile_cache.uncached); a train.py run, and the README's default run, on a warm cache log the losses of
 the same run on a cold one (-m slow: .ci/run's shares run them)."""
 
 import logging
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from olmo3eqx import model as model_module
-from olmo3eqx.aot import uncached
+from olmo3eqx.compile_cache import uncached
 from olmo3eqx.config import FULL, SLIDING, ModelConfig
 from olmo3eqx.model import init_model
 from test_readme_run import EVAL, REPO, TOLERANCE, readme_losses

@@ -237,13 +237,14 @@ def tiny(**model) -> TrainConfig:
 
 
 def compile_on(cfg: TrainConfig, topology: str):
-    from olmo3eqx.aot import topology_devices, uncached
+    from olmo3eqx.aot import topology_devices
+    from olmo3eqx.compile_cache import uncached
     from olmo3eqx.sharding import build_layout
     from olmo3eqx.step import make_train_step
 
     layout = build_layout(cfg, topology_devices(topology))
     step = make_train_step(cfg, layout)
-    with uncached():  # a compile-only topology's executable cannot be loaded back from the cache (aot.compile_only)
+    with uncached():  # a compile-only topology's executable cannot be loaded back from the cache (compile_cache.compile_only)
         return layout, step.lower(layout.state_target(), *layout.batch_target(cfg.data.seq_len)).compile()
 
 

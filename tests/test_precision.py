@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3eqx.aot import uncached
+from olmo3eqx.compile_cache import uncached
 from olmo3eqx.config import FULL, SLIDING, ConfigError, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from olmo3eqx.loss import label_weights
 from olmo3eqx.model import cast_floating, scan_groups

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from olmo3eqx import collectives
+from olmo3eqx.compile_cache import compile_only, uncached
 from olmo3eqx.config import TrainConfig
 from olmo3eqx.errors import ConfigError
 
@@ -351,33 +352,6 @@ CPU_DUMP = {"xla_dump_hlo_pass_re": "all-reduce-promotion"}
 float-normalization passes widen them to float32: `compiled.as_text()` on CPU devices reads float32 for every
 collective. The collectives of a CPU compile (the dry run on simulated devices, a GPU node planned here) are
 therefore read from the program as partitioned, dumped just before that pass: the dtypes XLA:GPU and XLA:TPU keep."""
-
-
-def compile_only(devices) -> bool:
-    """`devices` are a compile-only topology's (libtpu's or the CUDA plugin's, jax.experimental.topologies): JAX's
-    persistent compilation cache can store their executables but not load one back (there is no client to load it
-    into: JAX warns "PjRtCompiler must be constructed with a Client" and compiles again), so their compiles skip it."""
-    return type(devices[0].client).__name__ == "CompileOnlyPyClient"
-
-
-@contextlib.contextmanager
-def uncached():
-    """Compiles inside this block skip JAX's persistent compilation cache (jax_compilation_cache_dir: the test suite
-    sets one, a user may): its key leaves out XLA's dump options, so a cached executable would come back without the
-    dump a compile asks for (CPU_DUMP). A compile that reads its own dump runs here."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    if not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used; ask it again
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
 
 
 def partitioned_program(where: str) -> str | None:

@@ -193,7 +193,7 @@ def _compile(cfg, fn, mesh, *args, out_shardings=None):
     """`fn` compiled over `mesh` with the XLA:TPU flags the train step compiles with (mesh.tpu_flags)."""
     import jax
 
-    from olmo3eqx.aot import compile_only, uncached
+    from olmo3eqx.compile_cache import compile_only, uncached
     from olmo3eqx.precision import traced_gathering
     from olmo3eqx.sharding import on_mesh
     from olmo3eqx.step import tpu_compiler_options
